@@ -1,0 +1,46 @@
+"""sgraph: JAX-style functional transforms over PyTorch.
+
+Write one pure train step over pytrees of tensors; ``sg.static`` captures it whole
+(forward, backward and optimizer update) and replays it.
+"""
+
+from . import optim, random, tree
+from ._src.errors import (
+    CaptureError,
+    DonationWarning,
+    FallbackWarning,
+    RetraceError,
+    RetraceWarning,
+    SgraphError,
+    SgraphWarning,
+    StaleBufferError,
+    TreeStructureError,
+)
+from ._src.api import Transformed, static
+from ._src.functional import functional
+from ._src.grad import grad, value_and_grad
+from ._src.stages import Compiled, CompiledStats, Lowered, Traced
+
+__all__ = [
+    "CaptureError",
+    "Compiled",
+    "CompiledStats",
+    "Lowered",
+    "Traced",
+    "Transformed",
+    "DonationWarning",
+    "FallbackWarning",
+    "RetraceError",
+    "RetraceWarning",
+    "SgraphError",
+    "SgraphWarning",
+    "StaleBufferError",
+    "TreeStructureError",
+    "functional",
+    "grad",
+    "static",
+    "value_and_grad",
+    "optim",
+    "random",
+    "tree",
+]

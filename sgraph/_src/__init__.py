@@ -1,0 +1,1 @@
+"""sgraph's private implementation; import from ``sgraph`` instead."""

@@ -1,0 +1,60 @@
+"""The exceptions and warnings sgraph raises.
+
+Every class subclasses the built-in a caller would already catch (``RuntimeError``,
+``ValueError``, ``TypeError``, ``UserWarning``) and also :class:`SgraphError`, so
+``except sg.SgraphError`` catches everything sgraph raises on purpose.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "SgraphError",
+    "CaptureError",
+    "RetraceError",
+    "TreeStructureError",
+    "StaleBufferError",
+    "SgraphWarning",
+    "RetraceWarning",
+    "DonationWarning",
+    "FallbackWarning",
+]
+
+
+class SgraphError(Exception):
+    """Base class of every error sgraph raises on purpose."""
+
+
+class CaptureError(SgraphError, RuntimeError):
+    """The step does something that cannot be captured into one graph.
+
+    Raised at trace time, naming the op (or the input's path), the user's source
+    line, and what to write instead.
+    """
+
+
+class RetraceError(SgraphError, RuntimeError):
+    """A call's signature differs from every compiled one under ``retrace="error"``."""
+
+
+class TreeStructureError(SgraphError, ValueError):
+    """Two pytrees that must match do not; the message names the first differing path."""
+
+
+class StaleBufferError(SgraphError, RuntimeError):
+    """A donated tensor was replaced or resized between calls of a static step."""
+
+
+class SgraphWarning(UserWarning):
+    """Base class of every warning sgraph emits."""
+
+
+class RetraceWarning(SgraphWarning):
+    """A call's signature differs from the compiled ones, so the step is traced again."""
+
+
+class DonationWarning(SgraphWarning):
+    """A donated input could not be reused for any output."""
+
+
+class FallbackWarning(SgraphWarning):
+    """A step that could not be captured runs uncaptured because ``fallback`` allows it."""

@@ -1,0 +1,177 @@
+"""``grad`` and ``value_and_grad`` as in JAX, built on ``torch.autograd.grad``.
+
+``torch.func.grad`` does not compose with DTensor leaves; ``torch.autograd.grad``
+does, and it traces into one ATen graph with the rest of the step.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from . import tree
+
+__all__ = ["grad", "value_and_grad"]
+
+ArgNums = int | Sequence[int]
+
+
+def value_and_grad(
+    fun: Callable[..., Any], /, *, argnums: ArgNums = 0, has_aux: bool = False
+) -> Callable[..., tuple[Any, Any]]:
+    """Wrap ``fun`` so it returns its value and its gradient w.r.t. some arguments.
+
+    Args:
+        fun: returns a scalar tensor (or ``(scalar, aux)`` with ``has_aux``).
+        argnums: position, or tuple of positions, of the pytree arguments to
+            differentiate; their floating-point tensor leaves get gradients.
+        has_aux: ``fun`` returns ``(value, aux)``; aux is passed through, detached.
+
+    Returns:
+        A function with ``fun``'s signature returning ``(value, grads)`` or
+        ``((value, aux), grads)``; ``grads`` has the structure of the selected
+        argument (a tuple of them when ``argnums`` is a tuple).
+
+    Example:
+        >>> loss, grads = sg.value_and_grad(loss_fn)(params, batch)
+    """
+    nums = _check_argnums(fun, argnums)
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        return _value_and_grad(fun, nums, isinstance(argnums, int), has_aux, args, kwargs)
+
+    return wrapped
+
+
+def grad(fun: Callable[..., Any], /, *, argnums: ArgNums = 0, has_aux: bool = False) -> Callable[..., Any]:
+    """Wrap ``fun`` so it returns its gradient (and aux) instead of its value.
+
+    Same arguments as :func:`value_and_grad`; returns ``grads`` or ``(grads, aux)``.
+
+    Example:
+        >>> grads = sg.grad(loss_fn)(params, batch)
+    """
+    vg = value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        value, grads = vg(*args, **kwargs)
+        return (grads, value[1]) if has_aux else grads
+
+    return wrapped
+
+
+def _check_argnums(fun: Callable[..., Any], argnums: ArgNums) -> tuple[int, ...]:
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if not nums or not all(isinstance(n, int) and n >= 0 for n in nums):
+        raise ValueError(
+            f"sg.grad({_name(fun)}): argnums must be a non-negative int or a non-empty tuple of them; "
+            f"found {argnums!r}."
+        )
+    return nums
+
+
+def _value_and_grad(
+    fun: Callable[..., Any],
+    nums: tuple[int, ...],
+    single: bool,
+    has_aux: bool,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[Any, Any]:
+    if max(nums) >= len(args):
+        raise TypeError(
+            f"sg.grad({_name(fun)}): argnums={nums} but only {len(args)} positional arguments were "
+            "passed; pass the differentiated arguments positionally."
+        )
+    args = list(args)
+    inputs, specs = [], []
+    for n in nums:
+        leaves, spec = tree.flatten(args[n])
+        leaves = [_watch(leaf, fun, n, i, spec) for i, leaf in enumerate(leaves)]
+        inputs.append(leaves)
+        specs.append(spec)
+        args[n] = tree.unflatten(spec, leaves)
+    with torch.enable_grad():
+        out = fun(*args, **kwargs)
+    value, aux = _split_aux(fun, out, has_aux)
+    flat = [leaf for leaves in inputs for leaf in leaves]
+    create_graph = any(leaf.requires_grad for leaf in flat if isinstance(leaf, torch.Tensor) and leaf.grad_fn)
+    grads = _autograd(value, flat, create_graph)
+    grads_trees, start = [], 0
+    for leaves, spec in zip(inputs, specs):
+        grads_trees.append(tree.unflatten(spec, grads[start : start + len(leaves)]))
+        start += len(leaves)
+    result = grads_trees[0] if single else tuple(grads_trees)
+    value = value if create_graph else value.detach()
+    if has_aux:
+        return (value, tree.map(_detach, aux)), result
+    return value, result
+
+
+def _watch(leaf: Any, fun: Callable[..., Any], argnum: int, index: int, spec: tree.PyTreeSpec) -> Any:
+    if not isinstance(leaf, torch.Tensor):
+        return leaf
+    if not (leaf.is_floating_point() or leaf.is_complex()):
+        path = tree.paths(spec, prefix=f"args[{argnum}]")[index]
+        raise TypeError(
+            f"sg.grad({_name(fun)}): {path} is a {leaf.dtype} tensor; gradients need floating-point "
+            "leaves. Move integer tensors to an argument not listed in argnums."
+        )
+    if leaf.requires_grad:
+        # An outer sg.grad is differentiating through us: keep its graph.
+        return leaf.view_as(leaf) if leaf.grad_fn is not None else leaf.detach().requires_grad_(True)
+    return leaf.detach().requires_grad_(True)
+
+
+def _split_aux(fun: Callable[..., Any], out: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                f"sg.grad({_name(fun)}, has_aux=True): the function must return (value, aux); "
+                f"found {type(out).__name__}."
+            )
+        value, aux = out
+    else:
+        value, aux = out, None
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
+        found = (
+            f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+            if isinstance(value, torch.Tensor)
+            else type(value).__name__
+        )
+        hint = " Pass has_aux=True to return (value, aux)." if isinstance(out, tuple) and not has_aux else ""
+        raise TypeError(
+            f"sg.grad({_name(fun)}): the function must return a floating-point scalar tensor; "
+            f"found {found}.{hint}"
+        )
+    return value, aux
+
+
+def _autograd(value: torch.Tensor, inputs: list[Any], create_graph: bool) -> list[Any]:
+    tensors = [(i, x) for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
+    grads: list[Any] = [None] * len(inputs)
+    if not tensors:
+        return grads
+    if not value.requires_grad:
+        found = [torch.zeros_like(x) for _, x in tensors]
+    else:
+        found = torch.autograd.grad(
+            value.reshape(()), [x for _, x in tensors], allow_unused=True, create_graph=create_graph
+        )
+    for (i, x), g in zip(tensors, found):
+        grads[i] = torch.zeros_like(x) if g is None else g
+    return grads
+
+
+def _detach(x: Any) -> Any:
+    return x.detach() if isinstance(x, torch.Tensor) else x
+
+
+def _name(fun: Callable[..., Any]) -> str:
+    return getattr(fun, "__qualname__", None) or type(fun).__name__
+

@@ -1,0 +1,1 @@
+"""Graph passes: each a function ``Program -> Program`` in its own module."""

@@ -1,0 +1,27 @@
+"""The one place that orders the passes.
+
+Whatever order the user stacks the decorators in, a step is lowered the same way:
+cleanup, then (as they land) sharding, fusion and memory planning, then donation,
+which must see the final outputs.
+"""
+
+from __future__ import annotations
+
+from ..options import Options
+from ..program import Program
+from .cleanup import cleanup
+from .donation import donation
+
+__all__ = ["lower"]
+
+
+def lower(program: Program, options: Options) -> Program:
+    """Run every pass the options ask for, in the canonical order.
+
+    Example:
+        >>> lower(traced_program, options).passes
+        ('cleanup', 'donation')
+    """
+    del options  # read by the sharding, fusion and memory passes as they land
+    program = cleanup(program)
+    return donation(program)

@@ -1,0 +1,207 @@
+"""``Program``: one traced step as a functional ATen FX graph plus its pytree specs.
+
+Passes take a Program and return a new one; executables run one. The graph's
+placeholders are the step's tensor leaves in flattening order; its output is the
+list of the step's tensor outputs. Non-tensor leaves are static: inputs are part
+of the signature, outputs are constants recorded here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+from .capture import SOURCE_KEY, Source
+from .tree import PyTreeSpec
+
+__all__ = ["LeafInfo", "Program", "alias_root", "describe_tensor"]
+
+
+@dataclass(frozen=True)
+class LeafInfo:
+    """One leaf of the step's inputs or outputs.
+
+    ``graph_index`` is the leaf's placeholder (inputs) or output position (outputs)
+    in the graph, or ``None`` for a static leaf, whose value is ``value``.
+    """
+
+    path: str
+    graph_index: int | None
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype | None = None
+    device: torch.device | None = None
+    value: Any = None
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.graph_index is not None
+
+    def describe(self) -> str:
+        if not self.is_tensor:
+            return f"static {self.value!r}"
+        return describe_tensor(self.dtype, self.shape, self.device)
+
+
+def describe_tensor(dtype: torch.dtype | None, shape: tuple[int, ...], device: torch.device | None = None) -> str:
+    """``f32[64, 1024]`` (with ``@cuda:0`` when not on the CPU)."""
+    text = f"{_DTYPE_SHORT.get(dtype, str(dtype).replace('torch.', ''))}{list(shape)}"
+    return text if device is None or device.type == "cpu" else f"{text}@{device}"
+
+
+_DTYPE_SHORT = {
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "bool",
+}
+
+
+@dataclass(frozen=True)
+class Program:
+    """A traced step: graph, input/output specs, per-leaf metadata.
+
+    Attributes:
+        name: the transform and function, e.g. ``sg.static(train_step)``.
+        graph_module: functional ATen graph; inputs are mutated only by trailing
+            ``copy_`` nodes into donated inputs.
+        in_spec / out_spec: pytree structures of ``(args, kwargs)`` and of the result.
+        inputs / outputs: one :class:`LeafInfo` per leaf, in flattening order.
+        donated: placeholder indices the user donated.
+        aliases: ``(output graph index, placeholder index)`` pairs: that output is
+            written into that donated input, which is then returned in its place.
+        passes: names of the passes applied so far, in order.
+    """
+
+    name: str
+    graph_module: torch.fx.GraphModule
+    in_spec: PyTreeSpec
+    out_spec: PyTreeSpec
+    inputs: tuple[LeafInfo, ...]
+    outputs: tuple[LeafInfo, ...]
+    donated: frozenset[int] = frozenset()
+    aliases: tuple[tuple[int, int], ...] = ()
+    passes: tuple[str, ...] = field(default=())
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.graph_module.graph
+
+    @property
+    def tensor_inputs(self) -> list[LeafInfo]:
+        return [leaf for leaf in self.inputs if leaf.is_tensor]
+
+    def replace(self, **changes: Any) -> Program:
+        """A copy with some fields changed (passes build new Programs this way)."""
+        return dataclasses.replace(self, **changes)
+
+    def copy_graph_module(self) -> torch.fx.GraphModule:
+        """A new graph module over a copy of the graph, for a pass to edit."""
+        graph = torch.fx.Graph()
+        graph.output(graph.graph_copy(self.graph, {}))
+        return torch.fx.GraphModule(self.graph_module, graph)
+
+    def ops(self) -> list[torch.fx.Node]:
+        """The call nodes of the graph, in order."""
+        return [n for n in self.graph.nodes if n.op == "call_function"]
+
+    def as_text(self) -> str:
+        """A readable listing: inputs with their paths, each op with its user source line."""
+        return _listing(self)
+
+
+def _listing(program: Program) -> str:
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    tensor_inputs = program.tensor_inputs
+    lines = [
+        f"{program.name}: {len(program.ops())} ops, {len(tensor_inputs)} tensor inputs, "
+        f"{sum(o.is_tensor for o in program.outputs)} tensor outputs"
+        + (f"  [passes: {', '.join(program.passes)}]" if program.passes else "")
+    ]
+    for node, leaf in zip(placeholders, tensor_inputs):
+        donated = "  (donated)" if leaf.graph_index in program.donated else ""
+        lines.append(f"  %{node.name}: {leaf.describe()}  <- {leaf.path}{donated}")
+    width = 0
+    body = []
+    for node in program.graph.nodes:
+        if node.op in ("call_function", "get_attr"):
+            text = f"  %{node.name} = {_target(node)}({_args(node)})"
+            body.append((text, _meta(node)))
+            width = max(width, len(text))
+    width = min(width, 88)
+    lines += [f"{text:<{width}}  {meta}".rstrip() for text, meta in body]
+    lines += _output_lines(program)
+    return "\n".join(lines)
+
+
+def _target(node: torch.fx.Node) -> str:
+    if node.op == "get_attr":
+        return f"constant {node.target}"
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        name = target.__name__
+        return f"aten.{name.replace('.default', '')}" if target.namespace == "aten" else str(target)
+    return getattr(target, "__name__", str(target))
+
+
+def _args(node: torch.fx.Node) -> str:
+    def fmt(a: Any) -> str:
+        if isinstance(a, torch.fx.Node):
+            return f"%{a.name}"
+        if isinstance(a, (list, tuple)):
+            return "[" + ", ".join(fmt(x) for x in a) + "]"
+        return repr(a)
+
+    parts = [fmt(a) for a in node.args] + [f"{k}={fmt(v)}" for k, v in node.kwargs.items()]
+    text = ", ".join(parts)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _meta(node: torch.fx.Node) -> str:
+    val = node.meta.get("val")
+    kind = describe_tensor(val.dtype, tuple(val.shape)) if isinstance(val, torch.Tensor) else ""
+    source: Source | None = node.meta.get(SOURCE_KEY)
+    where = f"# {source.short()}: {source.code}" if source else ""
+    return f"{kind:<18} {where}"
+
+
+def _output_lines(program: Program) -> list[str]:
+    out_node = next(n for n in program.graph.nodes if n.op == "output")
+    returned = out_node.args[0]
+    aliased = dict(program.aliases)
+    lines = ["  return"]
+    for leaf in program.outputs:
+        if leaf.is_tensor:
+            node = returned[leaf.graph_index]
+            into = aliased.get(leaf.graph_index)
+            note = f"  (written into donated input {program.tensor_inputs[into].path})" if into is not None else ""
+            name = f"%{node.name}" if isinstance(node, torch.fx.Node) else repr(node)
+            lines.append(f"    {leaf.path or '<result>'} = {name}: {leaf.describe()}{note}")
+        else:
+            lines.append(f"    {leaf.path or '<result>'} = {leaf.value!r}")
+    return lines
+
+
+def alias_root(node: torch.fx.Node) -> torch.fx.Node:
+    """Follow views (ops whose result aliases their first argument) back to their base."""
+    while node.op == "call_function":
+        target = node.target
+        if target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+            node = node.args[0]
+            continue
+        if not isinstance(target, torch._ops.OpOverload) or not target._schema.arguments:
+            break
+        returns, first = target._schema.returns, target._schema.arguments[0]
+        if not returns or returns[0].alias_info is None or first.alias_info is None:
+            break
+        node = node.args[0]
+    return node

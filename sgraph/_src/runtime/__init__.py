@@ -1,0 +1,1 @@
+"""Executables: run a lowered Program over flat tensor leaves."""

@@ -1,0 +1,173 @@
+"""The three stages of a transformed step, as in JAX: Traced -> Lowered -> Compiled.
+
+``Traced`` holds the Program straight from tracing; ``Lowered`` the Program after
+the passes; ``Compiled`` an executable for it, callable with the same arguments.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import tree
+from .options import Options
+from .passes.pipeline import lower as run_passes
+from .program import Program
+from .runtime.eager import EagerExecutable
+from .signature import Signature, signature_of
+from .trace import ArgLayout
+
+__all__ = ["Traced", "Lowered", "Compiled", "CompiledStats", "Counters"]
+
+
+@dataclass
+class Counters:
+    """Shared between a transformed function and everything compiled from it."""
+
+    traces: int = 0
+    retraces: int = 0
+
+
+@dataclass(frozen=True)
+class CompiledStats:
+    """A snapshot of a compiled step's counters.
+
+    Attributes:
+        runtime: ``"eager"`` (graph run op by op) or ``"cudagraph"``.
+        kernel_launches: kernels per step, counted from the captured CUDA graph
+            (``None`` when there is no graph).
+        capture_seconds: time spent warming up and capturing (``None`` without a graph).
+        calls: how many times this compiled step ran (replays, for a CUDA graph).
+        traces / retraces: of the transformed function, at snapshot time.
+        trace_seconds / lower_seconds: time spent in those stages for this signature.
+    """
+
+    runtime: str
+    kernel_launches: int | None
+    capture_seconds: float | None
+    calls: int
+    traces: int
+    retraces: int
+    trace_seconds: float
+    lower_seconds: float
+
+
+class _Stage:
+    program: Program
+
+    def as_text(self) -> str:
+        """A readable listing of the graph's ATen ops with the user's source lines."""
+        return self.program.as_text()
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        """The FX graph (forward, backward and update in one)."""
+        return self.program.graph
+
+    def _summary(self) -> str:
+        p = self.program
+        return f"{p.name}: {len(p.ops())} ops, {len(p.tensor_inputs)} tensor inputs"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._summary()})"
+
+    def _repr_html_(self) -> str:
+        body = html.escape(self.as_text())
+        return (
+            f"<details><summary><code>{html.escape(repr(self))}</code></summary>"
+            f"<pre style='font-size:smaller'>{body}</pre></details>"
+        )
+
+
+class Traced(_Stage):
+    """A step traced into one graph, before any pass.
+
+    Attributes:
+        program: the :class:`Program`.
+        signature: the argument signature it was traced for.
+    """
+
+    def __init__(
+        self, program: Program, signature: Signature, layout: ArgLayout, options: Options, counters: Counters,
+        seconds: float,
+    ) -> None:
+        self.program = program
+        self.signature = signature
+        self.layout = layout
+        self.options = options
+        self.counters = counters
+        self.seconds = seconds
+
+    def lower(self) -> Lowered:
+        """Run the passes (cleanup, donation, and those the transforms ask for)."""
+        start = time.perf_counter()
+        program = run_passes(self.program, self.options)
+        return Lowered(program, self, time.perf_counter() - start)
+
+
+class Lowered(_Stage):
+    """A step after the passes; ``compile()`` makes it callable."""
+
+    def __init__(self, program: Program, traced: Traced, seconds: float) -> None:
+        self.program = program
+        self.traced = traced
+        self.seconds = seconds
+
+    def compile(self) -> Compiled:
+        """An executable for this Program: eager kernels on CPU, one CUDA graph on a GPU."""
+        return Compiled(self, EagerExecutable(self.program))
+
+
+class Compiled(_Stage):
+    """A callable compiled step for one argument signature.
+
+    Calling it with arguments of another signature raises ``TypeError`` naming the
+    leaf that differs (the transformed function, not this stage, retraces).
+    """
+
+    def __init__(self, lowered: Lowered, executable: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> None:
+        self.program = lowered.program
+        self.lowered = lowered
+        self.executable = executable
+        self.calls = 0
+        traced = lowered.traced
+        self._signature, self._layout, self._counters = traced.signature, traced.layout, traced.counters
+        self._positions = [i for i, leaf in enumerate(self.program.inputs) if leaf.is_tensor]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, spec = tree.flatten((args, kwargs))
+        signature = signature_of(leaves, spec, self._layout.paths)
+        if signature != self._signature:
+            raise TypeError(
+                f"{self.program.name}: this compiled step was made for other arguments: "
+                f"{signature.difference(self._signature, self._layout.paths)}. Call the transformed "
+                "function instead (it traces again for new signatures)."
+            )
+        return self.call_flat(leaves)
+
+    def call_flat(self, leaves: list[Any]) -> Any:
+        """Run on already-flattened, already-checked arguments."""
+        outputs = self.executable([leaves[i] for i in self._positions])
+        self.calls += 1
+        result = [outputs[o.graph_index] if o.is_tensor else o.value for o in self.program.outputs]
+        return tree.unflatten(self.program.out_spec, result)
+
+    @property
+    def stats(self) -> CompiledStats:
+        """Counters of this compiled step (see :class:`CompiledStats`)."""
+        ex = self.executable
+        return CompiledStats(
+            runtime=getattr(ex, "runtime", "eager"),
+            kernel_launches=getattr(ex, "kernel_launches", None),
+            capture_seconds=getattr(ex, "capture_seconds", None),
+            calls=self.calls,
+            traces=self._counters.traces,
+            retraces=self._counters.retraces,
+            trace_seconds=self.lowered.traced.seconds,
+            lower_seconds=self.lowered.seconds,
+        )

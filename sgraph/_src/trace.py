@@ -1,0 +1,239 @@
+"""Trace a pure step into a :class:`Program`.
+
+Two passes over ``make_fx`` with fake tensors (nothing runs on the device and no
+input is touched):
+
+1. The step itself, autograd included: ``torch.autograd.grad`` inside the step
+   records its backward ops, so forward, backward and update land in one graph.
+   :mod:`capture` guards the step and stamps each node with its user source line.
+2. That graph replayed node by node under ``torch.func.functionalize``: in-place
+   ops become functional ones, and writes into inputs become trailing ``copy_``
+   nodes, allowed only into donated inputs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from . import tree
+from .capture import SOURCE_KEY, GuardMode, Source, SourceMode, no_host_sync
+from .errors import CaptureError
+from .program import LeafInfo, Program, alias_root
+
+__all__ = ["ArgLayout", "trace", "arg_layout"]
+
+
+@dataclass(frozen=True)
+class ArgLayout:
+    """How a call's arguments flatten: leaf paths and which leaves are donated."""
+
+    paths: tuple[str, ...]
+    donated_leaves: frozenset[int]
+
+
+def arg_layout(
+    fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], donate: Sequence[str | int]
+) -> ArgLayout:
+    """Name every leaf of ``(args, kwargs)`` after the parameter it belongs to.
+
+    Args:
+        fn: the user's step (its signature gives the names).
+        args / kwargs: one call's arguments.
+        donate: parameter names or positions whose leaves are donated.
+
+    Returns:
+        Leaf paths in the order :func:`tree.flatten` gives ``(args, kwargs)``.
+    """
+    names = _positional_names(fn, len(args))
+    positions = {d for d in donate if isinstance(d, int)}
+    named = {d for d in donate if isinstance(d, str)}
+    paths: list[str] = []
+    donated: set[int] = set()
+    parts = [(names[i], a, i in positions or names[i] in named) for i, a in enumerate(args)]
+    parts += [(k, kwargs[k], k in named or _position(fn, k) in positions) for k in sorted(kwargs)]
+    for name, value, is_donated in parts:
+        leaf_paths = tree.flatten_with_paths(value, prefix=name)[0]
+        if is_donated:
+            donated.update(range(len(paths), len(paths) + len(leaf_paths)))
+        paths += leaf_paths
+    return ArgLayout(tuple(paths), frozenset(donated))
+
+
+def _positional_names(fn: Callable[..., Any], count: int) -> list[str]:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return [f"args[{i}]" for i in range(count)]
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    star = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), "args")
+    return [names[i] if i < len(names) else f"{star}[{i - len(names)}]" for i in range(count)]
+
+
+def _position(fn: Callable[..., Any], name: str) -> int | None:
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    return params.index(name) if name in params else None
+
+
+def trace(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    *,
+    api: str,
+    layout: ArgLayout,
+) -> Program:
+    """Trace ``fn(*args, **kwargs)`` into a functional Program.
+
+    Args:
+        fn: the pure step.
+        args / kwargs: example arguments (real tensors; only metadata is used).
+        api: the transform's name for messages, e.g. ``sg.static(train_step)``.
+        layout: leaf paths and donated leaves from :func:`arg_layout`.
+
+    Returns:
+        The Program, before any pass.
+
+    Raises:
+        CaptureError: the step breaks the capture contract (see ``docs/errors.md``).
+    """
+    leaves, in_spec = tree.flatten((tuple(args), dict(kwargs)))
+    inputs, tensors = _input_infos(leaves, layout.paths)
+    donated = frozenset(info.graph_index for i, info in enumerate(inputs) if i in layout.donated_leaves and info.is_tensor)
+    flat_fn, result = _flat_step(fn, api, in_spec, leaves)
+    with no_host_sync(api):
+        autograd_graph = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
+        functional = _functionalize(autograd_graph, tensors, api)
+    _check_input_writes(autograd_graph, functional, inputs, donated, api)
+    outputs = _output_infos(result["spec"], result["leaves"], functional)
+    return Program(
+        name=api,
+        graph_module=functional,
+        in_spec=in_spec,
+        out_spec=result["spec"],
+        inputs=tuple(inputs),
+        outputs=tuple(outputs),
+        donated=donated,
+    )
+
+
+def _input_infos(leaves: list[Any], paths: Sequence[str]) -> tuple[list[LeafInfo], list[torch.Tensor]]:
+    infos, tensors = [], []
+    for leaf, path in zip(leaves, paths):
+        if isinstance(leaf, torch.Tensor):
+            infos.append(LeafInfo(path, len(tensors), tuple(leaf.shape), leaf.dtype, leaf.device))
+            tensors.append(leaf.detach())
+        else:
+            infos.append(LeafInfo(path, None, value=leaf))
+    return infos, tensors
+
+
+def _flat_step(
+    fn: Callable[..., Any], api: str, in_spec: tree.PyTreeSpec, leaves: list[Any]
+) -> tuple[Callable[..., list[torch.Tensor]], dict[str, Any]]:
+    """``fn`` as a function of its tensor leaves only, returning its tensor outputs."""
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    result: dict[str, Any] = {}
+
+    def flat_fn(*tensors: torch.Tensor) -> list[torch.Tensor]:
+        full = list(leaves)
+        for i, t in zip(positions, tensors):
+            full[i] = t
+        args, kwargs = tree.unflatten(in_spec, full)
+        with GuardMode(api), SourceMode(api):
+            out = fn(*args, **kwargs)
+        out_leaves, result["spec"] = tree.flatten(out)
+        result["leaves"] = out_leaves
+        return [leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor)]
+
+    return flat_fn, result
+
+
+class _Replay(torch.fx.Interpreter):
+    """Runs a graph node by node, exposing the source of the node being run."""
+
+    current: Source | None = None
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self.current = n.meta.get(SOURCE_KEY)
+        return super().run_node(n)
+
+
+def _functionalize(gm: torch.fx.GraphModule, tensors: list[torch.Tensor], api: str) -> torch.fx.GraphModule:
+    replay = _Replay(gm)
+
+    def run(*args: torch.Tensor) -> Any:
+        with SourceMode(api, context=lambda: replay.current):
+            return replay.run(*args)
+
+    functional = torch.func.functionalize(run, remove="mutations")
+    return make_fx(functional, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
+
+
+def _output_infos(spec: tree.PyTreeSpec, leaves: list[Any], gm: torch.fx.GraphModule) -> list[LeafInfo]:
+    returned = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    infos, index = [], 0
+    for leaf, path in zip(leaves, tree.paths(spec, prefix="result")):
+        if isinstance(leaf, torch.Tensor):
+            val = returned[index].meta["val"]
+            infos.append(LeafInfo(path, index, tuple(val.shape), val.dtype, val.device))
+            index += 1
+        else:
+            infos.append(LeafInfo(path, None, value=leaf))
+    return infos
+
+
+def _check_input_writes(
+    autograd_graph: torch.fx.GraphModule,
+    functional: torch.fx.GraphModule,
+    inputs: list[LeafInfo],
+    donated: frozenset[int],
+    api: str,
+) -> None:
+    """Raise for a write into an input that is not donated, naming its path and line."""
+    placeholders = [n for n in functional.graph.nodes if n.op == "placeholder"]
+    written = {
+        placeholders.index(n.args[0])
+        for n in functional.graph.nodes
+        if n.target is torch.ops.aten.copy_.default and n.args[0] in placeholders
+    }
+    tensor_inputs = [leaf for leaf in inputs if leaf.is_tensor]
+    for index in sorted(written - donated):
+        where = _write_source(autograd_graph, index)
+        at = f" at {where.describe()}" if where else ""
+        raise CaptureError(
+            f"{api}: the step writes in place into input {tensor_inputs[index].path}{at}, which is not "
+            "donated. Return the new value as an output instead, or donate the argument "
+            "(donate=(...) names it) to let the step update it in place."
+        )
+
+
+def _write_source(gm: torch.fx.GraphModule, index: int) -> Source | None:
+    """The source of the first in-place op that writes into placeholder ``index``."""
+    target = [n for n in gm.graph.nodes if n.op == "placeholder"][index]
+    for node in gm.graph.nodes:
+        for arg in _written_args(node):
+            if alias_root(arg) is target:
+                return node.meta.get(SOURCE_KEY)
+    return None
+
+
+def _written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return []
+    schema = node.target._schema
+    found = []
+    for i, arg in enumerate(schema.arguments):
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.fx.Node):
+            found.append(value)
+    return found
