@@ -62,12 +62,10 @@ class Transformed:
         leaves, spec = tree.flatten((args, kwargs))
         signature = signature_of(leaves, spec)
         compiled = self._cache.get(signature)
-        if compiled is None:
-            compiled = self._compile_new(signature, args, kwargs)
-            if compiled is None:
-                return self.fn(*args, **kwargs)
-        self._last = signature
-        return compiled.call_flat(leaves)
+        if compiled is not None:
+            self._last = signature
+            return compiled.call_flat(leaves)
+        return self._first_call(signature, leaves, args, kwargs)
 
     def trace(self, *args: Any, **kwargs: Any) -> Traced:
         """Trace the step for these arguments into one graph (no cache, no retrace policy).
@@ -91,18 +89,21 @@ class Transformed:
     def _static(self) -> StaticOptions:
         return self.options.effective_static
 
-    def _compile_new(self, signature: Signature, args: Sequence[Any], kwargs: dict[str, Any]) -> Compiled | None:
+    def _first_call(self, signature: Signature, leaves: list[Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """Trace, lower and compile for a new signature, then run (a CUDA graph captures on its first run)."""
         if self._last is not None:
             self._check_retrace(signature, args, kwargs)
         try:
             compiled = self.trace(*args, **kwargs).lower().compile()
+            result = compiled.call_flat(leaves)
         except CaptureError as e:
             if self._static.fallback != "eager":
                 raise
             self._fall_back(e)
-            return None
+            return self.fn(*args, **kwargs)
         self._cache[signature] = compiled
-        return compiled
+        self._last = signature
+        return result
 
     def _check_retrace(self, signature: Signature, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         assert self._last is not None

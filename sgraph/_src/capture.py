@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import CaptureError
+from .text import describe_tensor
 
 __all__ = ["Source", "GuardMode", "SourceMode", "user_source", "no_host_sync", "SOURCE_KEY"]
 
@@ -176,12 +177,16 @@ class SourceMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self.context is None:
+            self._check_closed_over(func, args, kwargs)
         graph = _tracing_graph()
         last = _last_node(graph) if graph is not None else None
         try:
             out = func(*args, **kwargs)
         except _DATA_DEPENDENT as e:
             raise CaptureError(self._data_dependent(func, args)) from e
+        if self.context is None and _has_symbolic_shape(out):
+            raise CaptureError(self._data_dependent(func, args))
         if graph is not None:
             self._stamp(graph, last)
         return out
@@ -207,15 +212,38 @@ class SourceMode(TorchDispatchMode):
             return self.last_backward or user_source()
         return user_source()
 
+    def _check_closed_over(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        """A real tensor that requires grad is a parameter read from outside the step's
+        arguments: it would be frozen into the graph as a constant, and never trained."""
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        for a in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) and a.requires_grad:
+                kind = "an nn.Parameter" if isinstance(a, torch.nn.Parameter) else "a tensor that requires grad"
+                raise CaptureError(
+                    f"{self.api}: {func} reads {kind} of shape {list(a.shape)}{_where(user_source())} "
+                    "that is not an argument of the step, so it would be frozen into the graph as a "
+                    "constant and never updated. Pass it in as an argument: "
+                    "apply, params, buffers = sg.functional(model), then apply(params, buffers, x)."
+                )
+
     def _data_dependent(self, func: Any, args: Any) -> str:
-        shapes = ", ".join(
-            f"{a.dtype}{list(a.shape)}".replace("torch.", "") for a in args if isinstance(a, torch.Tensor)
-        )
+        shapes = ", ".join(describe_tensor(a.dtype, tuple(a.shape)) for a in args if isinstance(a, torch.Tensor))
         return (
             f"{self.api}: {func} on ({shapes}){_where(user_source())} has an output shape (or a value) "
             "that depends on tensor data, which cannot be captured into a graph. Use a fixed-shape "
             "form: torch.where(mask, x, 0) instead of x[mask] or nonzero, and keep counts as tensors."
         )
+
+
+def _has_symbolic_shape(out: Any) -> bool:
+    """Whether an op's result has a size known only from tensor data (an unbacked SymInt)."""
+    return any(
+        isinstance(size, torch.SymInt)
+        for t in torch.utils._pytree.tree_leaves(out)
+        if isinstance(t, torch.Tensor)
+        for size in t.shape
+    )
 
 
 def _data_dependent_errors() -> tuple[type[BaseException], ...]:

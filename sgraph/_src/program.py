@@ -17,9 +17,10 @@ import torch
 import torch.fx
 
 from .capture import SOURCE_KEY, Source
+from .text import describe_tensor
 from .tree import PyTreeSpec
 
-__all__ = ["LeafInfo", "Program", "alias_root", "describe_tensor"]
+__all__ = ["LeafInfo", "Program", "alias_root"]
 
 
 @dataclass(frozen=True)
@@ -45,25 +46,6 @@ class LeafInfo:
         if not self.is_tensor:
             return f"static {self.value!r}"
         return describe_tensor(self.dtype, self.shape, self.device)
-
-
-def describe_tensor(dtype: torch.dtype | None, shape: tuple[int, ...], device: torch.device | None = None) -> str:
-    """``f32[64, 1024]`` (with ``@cuda:0`` when not on the CPU)."""
-    text = f"{_DTYPE_SHORT.get(dtype, str(dtype).replace('torch.', ''))}{list(shape)}"
-    return text if device is None or device.type == "cpu" else f"{text}@{device}"
-
-
-_DTYPE_SHORT = {
-    torch.float32: "f32",
-    torch.float64: "f64",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.int8: "i8",
-    torch.uint8: "u8",
-    torch.bool: "bool",
-}
 
 
 @dataclass(frozen=True)
@@ -109,6 +91,15 @@ class Program:
         graph = torch.fx.Graph()
         graph.output(graph.graph_copy(self.graph, {}))
         return torch.fx.GraphModule(self.graph_module, graph)
+
+    def written_inputs(self) -> set[int]:
+        """Placeholder indices the graph writes into (its trailing ``copy_`` nodes)."""
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        return {
+            placeholders.index(n.args[0])
+            for n in self.graph.nodes
+            if n.target is torch.ops.aten.copy_.default and n.args[0] in placeholders
+        }
 
     def ops(self) -> list[torch.fx.Node]:
         """The call nodes of the graph, in order."""

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from . import tree
-from .program import describe_tensor
+from .text import describe_tensor
 
 __all__ = ["Signature", "signature_of"]
 

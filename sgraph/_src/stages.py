@@ -120,6 +120,11 @@ class Lowered(_Stage):
 
     def compile(self) -> Compiled:
         """An executable for this Program: eager kernels on CPU, one CUDA graph on a GPU."""
+        on_cuda = any(leaf.device is not None and leaf.device.type == "cuda" for leaf in self.program.tensor_inputs)
+        if on_cuda:
+            from .runtime.cudagraph import CudaGraphExecutable
+
+            return Compiled(self, CudaGraphExecutable(self.program, self.traced.options.effective_static))
         return Compiled(self, EagerExecutable(self.program))
 
 

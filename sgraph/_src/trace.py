@@ -113,9 +113,8 @@ def trace(
     with no_host_sync(api):
         autograd_graph = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
         functional = _functionalize(autograd_graph, tensors, api)
-    _check_input_writes(autograd_graph, functional, inputs, donated, api)
     outputs = _output_infos(result["spec"], result["leaves"], functional)
-    return Program(
+    program = Program(
         name=api,
         graph_module=functional,
         in_spec=in_spec,
@@ -124,6 +123,8 @@ def trace(
         outputs=tuple(outputs),
         donated=donated,
     )
+    _check_input_writes(autograd_graph, program)
+    return program
 
 
 def _input_infos(leaves: list[Any], paths: Sequence[str]) -> tuple[list[LeafInfo], list[torch.Tensor]]:
@@ -192,26 +193,14 @@ def _output_infos(spec: tree.PyTreeSpec, leaves: list[Any], gm: torch.fx.GraphMo
     return infos
 
 
-def _check_input_writes(
-    autograd_graph: torch.fx.GraphModule,
-    functional: torch.fx.GraphModule,
-    inputs: list[LeafInfo],
-    donated: frozenset[int],
-    api: str,
-) -> None:
+def _check_input_writes(autograd_graph: torch.fx.GraphModule, program: Program) -> None:
     """Raise for a write into an input that is not donated, naming its path and line."""
-    placeholders = [n for n in functional.graph.nodes if n.op == "placeholder"]
-    written = {
-        placeholders.index(n.args[0])
-        for n in functional.graph.nodes
-        if n.target is torch.ops.aten.copy_.default and n.args[0] in placeholders
-    }
-    tensor_inputs = [leaf for leaf in inputs if leaf.is_tensor]
-    for index in sorted(written - donated):
+    for index in sorted(program.written_inputs() - program.donated):
         where = _write_source(autograd_graph, index)
         at = f" at {where.describe()}" if where else ""
         raise CaptureError(
-            f"{api}: the step writes in place into input {tensor_inputs[index].path}{at}, which is not "
+            f"{program.name}: the step writes in place into input {program.tensor_inputs[index].path}{at}, "
+            "which is not "
             "donated. Return the new value as an output instead, or donate the argument "
             "(donate=(...) names it) to let the step update it in place."
         )

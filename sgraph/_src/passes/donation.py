@@ -1,7 +1,8 @@
 """Match donated inputs to outputs, so each output can be written into one.
 
 As in JAX, a donated input is reused for the first not-yet-matched output of the
-same shape, dtype and device, in flattening order; a donated input that matches no
+same shape, dtype and device, in flattening order (an input the step already
+writes in place keeps that write instead); a donated input that matches no
 output is reported with a :class:`DonationWarning` naming its path. An output that
 is a view of a donated input is cloned first, so writing the new values into that
 input cannot change an output the user holds.
@@ -41,7 +42,7 @@ def _match(program: Program, returned: list, placeholders: list) -> list[tuple[i
     used: set[int] = set()
     aliases = []
     inputs = program.tensor_inputs
-    for index in sorted(program.donated):
+    for index in sorted(program.donated - program.written_inputs()):
         want = (inputs[index].shape, inputs[index].dtype, inputs[index].device)
         for out in program.outputs:
             i = out.graph_index

@@ -9,7 +9,7 @@ import torch
 
 from ..program import Program
 
-__all__ = ["EagerExecutable"]
+__all__ = ["EagerExecutable", "write_back"]
 
 
 class EagerExecutable:
@@ -27,9 +27,15 @@ class EagerExecutable:
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         with torch.no_grad():
             outputs = list(self.graph_module(*inputs))
-            for out, into in self.aliases:
-                target = inputs[into]
-                if outputs[out] is not target:
-                    target.copy_(outputs[out])
-                    outputs[out] = target
+            write_back(inputs, outputs, self.aliases)
         return outputs
+
+
+def write_back(inputs: Sequence[torch.Tensor], outputs: list[torch.Tensor], aliases: Sequence[tuple[int, int]]) -> None:
+    """Copy each aliased output into its donated input (one multi-tensor copy), then
+    return that input in the output's place."""
+    pairs = [(inputs[into], outputs[out]) for out, into in aliases if outputs[out] is not inputs[into]]
+    if pairs:
+        torch._foreach_copy_([t for t, _ in pairs], [s for _, s in pairs])
+    for out, into in aliases:
+        outputs[out] = inputs[into]

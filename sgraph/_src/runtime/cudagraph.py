@@ -1,0 +1,187 @@
+"""Capture a Program once as one CUDA graph, then replay it.
+
+Buffers:
+- a donated input is used in place: the user's own tensor is the graph's buffer,
+  and the graph writes the matching output into it (one multi-tensor copy at the
+  end of the graph), so the result holds the very same tensor objects;
+- every other input is copied into a static buffer before each replay;
+- outputs not written into a donated input are copied out after each replay
+  (``outputs="copy"``), so what the user holds is never overwritten by a later
+  replay; ``outputs="view"`` hands out the graph's own buffers instead.
+
+Before each replay the donated inputs' addresses are compared with those the graph
+was captured for; a replaced tensor makes the graph capture again (or raise, under
+``retrace="error"``) rather than run on memory the user no longer passes.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..capture import SOURCE_KEY
+from ..errors import CaptureError, RetraceWarning, StaleBufferError
+from ..options import StaticOptions
+from ..program import Program
+from .eager import write_back
+from .graph_nodes import count_kernels, new_graph
+
+__all__ = ["CudaGraphExecutable"]
+
+_WARMUP_RUNS = 2
+
+
+class CudaGraphExecutable:
+    """One CUDA graph for a Program; see the module docstring for buffer rules."""
+
+    runtime = "cudagraph"
+
+    def __init__(self, program: Program, options: StaticOptions) -> None:
+        _check_devices(program)
+        self.program = program
+        self.options = options
+        self.graph_module = program.graph_module
+        self.aliases = program.aliases
+        self.donated = sorted(program.donated)
+        self.aliased_outputs = {o for o, _ in program.aliases}
+        self.placeholder_outputs = _placeholder_outputs(program)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.captures = 0
+        self.kernel_launches: int | None = None
+        self.capture_seconds: float | None = None
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if self.graph is None or self._donated_moved(inputs):
+            self._capture(inputs)
+        if self.static_inputs:
+            torch._foreach_copy_(list(self.static_inputs.values()), [inputs[i] for i in self.static_inputs])
+        self.graph.replay()
+        return self._outputs(inputs)
+
+    def _outputs(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        results = []
+        for i, out in enumerate(self.static_outputs):
+            if i in self.placeholder_outputs:
+                results.append(inputs[self.placeholder_outputs[i]])
+            elif i in self.aliased_outputs or self.options.outputs == "view":
+                results.append(out)
+            else:
+                results.append(out.clone())
+        return results
+
+    def _donated_moved(self, inputs: Sequence[torch.Tensor]) -> bool:
+        moved = [i for i in self.donated if inputs[i].data_ptr() != self.donated_ptrs[i]]
+        if not moved:
+            return False
+        path = self.program.tensor_inputs[moved[0]].path
+        message = (
+            f"{self.program.name}: donated input {path} is not the tensor the CUDA graph was captured "
+            "with (a new tensor or address was passed)"
+        )
+        if self.options.retrace == "error":
+            raise StaleBufferError(
+                message + ". Pass back the tensors the step returned, or allow a new capture with "
+                "retrace='warn'."
+            )
+        if self.options.retrace == "warn":
+            warnings.warn(
+                message + "; capturing again. Pass back the tensors the step returned to avoid it.",
+                RetraceWarning,
+                stacklevel=4,
+            )
+        return True
+
+    def _capture(self, inputs: Sequence[torch.Tensor]) -> None:
+        start = time.perf_counter()
+        self.graph = None
+        donated = set(self.donated)
+        self.static_inputs = {i: t.detach().clone() for i, t in enumerate(inputs) if i not in donated}
+        graph_inputs = [self.static_inputs.get(i, t) for i, t in enumerate(inputs)]
+        self.donated_ptrs = {i: inputs[i].data_ptr() for i in self.donated}
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(stream):
+            self._warm_up(graph_inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph, kept = new_graph()
+        recorder = _NamingInterpreter(self.program)
+        try:
+            with torch.no_grad(), torch.cuda.graph(graph, stream=stream):
+                outputs = list(recorder.run(*graph_inputs))
+                write_back(graph_inputs, outputs, self.aliases)
+        except Exception as error:
+            raise recorder.capture_error(error) from error
+        if kept:
+            graph.instantiate()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph, self.static_outputs = graph, outputs
+        self.captures += 1
+        self.kernel_launches = count_kernels(graph, kept)
+        self.capture_seconds = time.perf_counter() - start
+
+    def _warm_up(self, graph_inputs: list[torch.Tensor]) -> None:
+        """Run the graph eagerly on the capture stream: library handles and workspaces get
+        made outside the capture. Inputs the graph writes into are cloned, so warm-up
+        leaves the user's tensors untouched."""
+        written = self.program.written_inputs()
+        safe = [t.clone() if i in written else t for i, t in enumerate(graph_inputs)]
+        for _ in range(_WARMUP_RUNS):
+            self.graph_module(*safe)
+
+
+
+class _NamingInterpreter(torch.fx.Interpreter):
+    """Runs the graph node by node during capture, remembering which node failed."""
+
+    def __init__(self, program: Program) -> None:
+        super().__init__(program.graph_module)
+        self.program = program
+        self.failed: torch.fx.Node | None = None
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        try:
+            return super().run_node(n)
+        except Exception:
+            self.failed = self.failed or n
+            raise
+
+    def capture_error(self, error: Exception) -> CaptureError:
+        node = self.failed
+        if node is None:
+            what = "capturing the CUDA graph failed"
+        else:
+            source = node.meta.get(SOURCE_KEY)
+            where = f" at {source.describe()}" if source else ""
+            what = f"{node.target} (node %{node.name}){where} cannot be captured into a CUDA graph"
+        return CaptureError(
+            f"{self.program.name}: {what}: {type(error).__name__}: {error}. Ops that synchronize "
+            "with the host or allocate host memory cannot run inside a graph; rewrite that line "
+            "with device-side tensor ops, or pass fallback='eager' to run this step uncaptured."
+        )
+
+
+def _check_devices(program: Program) -> None:
+    for leaf in program.tensor_inputs:
+        if leaf.device is not None and leaf.device.type != "cuda":
+            raise CaptureError(
+                f"{program.name}: input {leaf.path} is a {leaf.device.type} tensor while the step runs "
+                "as a CUDA graph, which would freeze its value at capture time. Move it to the GPU "
+                "(or pass it as a Python number, a static argument)."
+            )
+
+
+def _placeholder_outputs(program: Program) -> dict[int, int]:
+    """Outputs that are inputs returned unchanged: output index -> placeholder index."""
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    returned = next(n for n in program.graph.nodes if n.op == "output").args[0]
+    aliased = {o for o, _ in program.aliases}
+    return {
+        i: placeholders.index(node)
+        for i, node in enumerate(returned)
+        if node in placeholders and i not in aliased
+    }
+

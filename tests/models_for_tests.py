@@ -1,0 +1,69 @@
+"""Tiny models and reference loops shared by the tests."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from models import GPT, GPTConfig, gpt_loss, mlp  # noqa: E402
+
+import sgraph as sg  # noqa: E402
+
+__all__ = ["GPT", "GPTConfig", "gpt_loss", "mlp", "tiny_gpt", "make_train_step", "torch_adamw_losses"]
+
+TINY_GPT = GPTConfig(vocab=64, d=32, layers=2, heads=2, seq=16)
+
+
+def tiny_gpt(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(TINY_GPT)
+
+
+def make_train_step(apply, loss, opt, **static_options):
+    """The README's train step for a model applied as ``apply(params, {}, x)``."""
+
+    def loss_fn(params, batch):
+        x, y = batch
+        return loss(apply(params, {}, x), y)
+
+    def train_step(params, opt_state, batch):
+        value, grads = sg.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return sg.optim.apply_updates(params, updates), opt_state, {"loss": value}
+
+    return sg.static(train_step, **static_options)
+
+
+def torch_adamw_losses(model: nn.Module, batches, loss, lr=1e-3, weight_decay=0.01):
+    """The plain PyTorch loop: eager model, ``torch.optim.AdamW``; returns losses."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, foreach=False)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        value = loss(model(x), y)
+        value.backward()
+        opt.step()
+        losses.append(value.detach())
+    return losses
+
+
+def classification_batches(n, batch, width, classes, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, width, generator=g), torch.randint(0, classes, (batch,), generator=g)) for _ in range(n)]
+
+
+def token_batches(n, batch, cfg=TINY_GPT, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g), torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g))
+        for _ in range(n)
+    ]
+
+
+cross_entropy = F.cross_entropy
