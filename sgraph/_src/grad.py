@@ -90,6 +90,7 @@ def _value_and_grad(
         )
     args = list(args)
     inputs, specs = [], []
+    outer = any(isinstance(x, torch.Tensor) and x.requires_grad for n in nums for x in tree.leaves(args[n]))
     for n in nums:
         leaves, spec = tree.flatten(args[n])
         leaves = [_watch(leaf, fun, n, i, spec) for i, leaf in enumerate(leaves)]
@@ -100,7 +101,7 @@ def _value_and_grad(
         out = fun(*args, **kwargs)
     value, aux = _split_aux(fun, out, has_aux)
     flat = [leaf for leaves in inputs for leaf in leaves]
-    create_graph = any(leaf.requires_grad for leaf in flat if isinstance(leaf, torch.Tensor) and leaf.grad_fn)
+    create_graph = outer  # an outer sg.grad differentiates through this one
     grads = _autograd(value, flat, create_graph)
     grads_trees, start = [], 0
     for leaves, spec in zip(inputs, specs):
@@ -119,12 +120,12 @@ def _watch(leaf: Any, fun: Callable[..., Any], argnum: int, index: int, spec: tr
     if not (leaf.is_floating_point() or leaf.is_complex()):
         path = tree.paths(spec, prefix=f"args[{argnum}]")[index]
         raise TypeError(
-            f"sg.grad({_name(fun)}): {path} is a {leaf.dtype} tensor; gradients need floating-point "
+            f"sg.grad({_name(fun)}): {path} has dtype {_dtype(leaf)}; gradients need floating-point "
             "leaves. Move integer tensors to an argument not listed in argnums."
         )
     if leaf.requires_grad:
-        # An outer sg.grad is differentiating through us: keep its graph.
-        return leaf.view_as(leaf) if leaf.grad_fn is not None else leaf.detach().requires_grad_(True)
+        # An outer sg.grad is differentiating through us: stay connected to its graph.
+        return leaf.view_as(leaf)
     return leaf.detach().requires_grad_(True)
 
 
@@ -140,7 +141,7 @@ def _split_aux(fun: Callable[..., Any], out: Any, has_aux: bool) -> tuple[torch.
         value, aux = out, None
     if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
         found = (
-            f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+            f"a {_dtype(value)} tensor of shape {tuple(value.shape)}"
             if isinstance(value, torch.Tensor)
             else type(value).__name__
         )
@@ -166,6 +167,10 @@ def _autograd(value: torch.Tensor, inputs: list[Any], create_graph: bool) -> lis
     for (i, x), g in zip(tensors, found):
         grads[i] = torch.zeros_like(x) if g is None else g
     return grads
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
 
 
 def _detach(x: Any) -> Any:

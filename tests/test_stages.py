@@ -1,0 +1,96 @@
+"""Staged use: trace -> lower -> compile, listings, signatures, reprs."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+import torch
+
+import sgraph as sg
+
+
+def step(params, batch):
+    loss, grads = sg.value_and_grad(loss_fn)(params, batch)
+    new = sg.tree.map(lambda p, g: p - 0.5 * g, params, grads)
+    return new, {"loss": loss}
+
+
+def loss_fn(params, batch):
+    x, y = batch
+    return ((torch.tanh(x @ params["w"]) - y) ** 2).mean()
+
+
+def args():
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(3, 2, generator=g)}, (torch.randn(5, 3, generator=g), torch.randn(5, 2, generator=g))
+
+
+def test_trace_lists_forward_backward_and_update_with_source_lines():
+    traced = sg.static(step).trace(*args())
+    text = traced.as_text()
+    lines, start = inspect.getsourcelines(loss_fn)
+    forward_line = start + next(i for i, line in enumerate(lines) if "torch.tanh" in line)
+    update_line = inspect.getsourcelines(step)[1] + 2
+    assert re.search(rf"aten\.tanh\(.*# test_stages\.py:{forward_line} in loss_fn: return", text), text
+    assert re.search(rf"aten\.tanh_backward\(.*# backward of test_stages\.py:{forward_line} in loss_fn", text), text
+    assert re.search(rf"aten\.sub\.Tensor\(.*# test_stages\.py:{update_line} in <lambda>", text), text
+    assert "<- params['w']" in text and "<- batch[0]" in text
+    assert "result[1]['loss']" in text
+    assert isinstance(traced.graph, torch.fx.Graph)
+
+
+def test_every_op_node_has_a_user_source():
+    program = sg.static(step).trace(*args()).lower().program
+    missing = [n.name for n in program.ops() if "sgraph_source" not in n.meta]
+    assert not missing
+
+
+def test_lower_runs_the_passes_and_compile_is_callable():
+    params, batch = args()
+    lowered = sg.static(step, donate="params").trace(params, batch).lower()
+    assert lowered.program.passes == ("cleanup", "donation")
+    assert not any(n.target is torch.ops.aten.detach.default for n in lowered.program.ops())
+    assert "(written into donated input params['w'])" in lowered.as_text()
+    compiled = lowered.compile()
+    expected = step({"w": params["w"].clone()}, batch)
+    new, metrics = compiled(params, batch)
+    assert torch.equal(new["w"], expected[0]["w"]) and torch.equal(metrics["loss"], expected[1]["loss"])
+
+
+def test_compiled_rejects_another_signature():
+    params, batch = args()
+    compiled = sg.static(step).trace(params, batch).lower().compile()
+    with pytest.raises(TypeError, match=re.escape("batch[0]: f32[5, 3] -> f32[4, 3]")):
+        compiled(params, (batch[0][:4], batch[1]))
+
+
+def test_signature_and_trace_count():
+    static = sg.static(step)
+    traced = static.trace(*args())
+    assert static.trace_count == 1
+    static.trace(*args())
+    assert static.trace_count == 2
+    assert traced.signature == static.trace(*args()).signature
+
+
+def test_reprs_are_short_and_html_has_the_listing():
+    static = sg.static(step)
+    params, batch = args()
+    static(params, batch)
+    assert repr(static) == "<sg.static(step): 1 compiled signature, 1 traces>"
+    traced = static.trace(params, batch)
+    assert re.fullmatch(r"Traced\(sg\.static\(step\): \d+ ops, 3 tensor inputs\)", repr(traced))
+    assert repr(traced.lower()).startswith("Lowered(") and repr(traced.lower().compile()).startswith("Compiled(")
+    assert "aten.tanh" in traced._repr_html_() and "<details>" in traced._repr_html_()
+
+
+def test_compiled_stats_on_cpu():
+    static = sg.static(step)
+    params, batch = args()
+    for _ in range(3):
+        static(params, batch)
+    stats = static.last_compiled.stats
+    assert stats.runtime == "eager" and stats.calls == 3 and stats.traces == 1 and stats.retraces == 0
+    assert stats.kernel_launches is None and stats.trace_seconds > 0
