@@ -53,7 +53,14 @@ def test_matches_torch_adamw_loop_for_20_steps(kind):
     # Not bitwise: torch.optim.AdamW and sg.optim.adamw round in a different order.
     torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
     for name, p in reference.named_parameters():
-        torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6)
+        ours, theirs = params[name], p.detach()
+        if name.endswith("qkv.bias"):
+            # The key bias has an exactly-zero gradient (softmax ignores a shift of all
+            # scores), so Adam turns rounding noise into +-lr steps on both sides; compare
+            # the query and value parts only.
+            d = ours.shape[0] // 3
+            ours, theirs = torch.cat([ours[:d], ours[2 * d :]]), torch.cat([theirs[:d], theirs[2 * d :]])
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6, msg=name)
     assert step.trace_count == 1
 
 
@@ -180,8 +187,8 @@ def test_static_python_arguments_are_part_of_the_signature():
     assert torch.equal(scale(torch.ones(2), 2.0), torch.full((2,), 2.0))
     assert torch.equal(scale(torch.ones(2), 3.0), torch.full((2,), 3.0))
     assert scale.trace_count == 2
-    with pytest.raises(TypeError, match=r"factor is a list, which is neither a tensor nor hashable"):
-        scale.trace(torch.ones(2), [1])
+    with pytest.raises(TypeError, match=r"factor is a set, which is neither a tensor nor hashable"):
+        scale.trace(torch.ones(2), {1})
 
 
 def test_donated_leaves_keep_their_objects_and_addresses():

@@ -20,7 +20,7 @@ from .capture import SOURCE_KEY, Source
 from .text import describe_tensor
 from .tree import PyTreeSpec
 
-__all__ = ["LeafInfo", "Program", "alias_root"]
+__all__ = ["LeafInfo", "Program", "alias_root", "written_args"]
 
 
 @dataclass(frozen=True)
@@ -93,12 +93,13 @@ class Program:
         return torch.fx.GraphModule(self.graph_module, graph)
 
     def written_inputs(self) -> set[int]:
-        """Placeholder indices the graph writes into (its trailing ``copy_`` nodes)."""
-        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        """Placeholder indices the graph writes into, directly or through a view."""
+        index = {n: i for i, n in enumerate(self.graph.nodes) if n.op == "placeholder"}
         return {
-            placeholders.index(n.args[0])
-            for n in self.graph.nodes
-            if n.target is torch.ops.aten.copy_.default and n.args[0] in placeholders
+            index[root]
+            for node in self.graph.nodes
+            for arg in written_args(node)
+            if (root := alias_root(arg)) in index
         }
 
     def ops(self) -> list[torch.fx.Node]:
@@ -196,3 +197,17 @@ def alias_root(node: torch.fx.Node) -> torch.fx.Node:
             break
         node = node.args[0]
     return node
+
+
+def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The arguments an op writes into (``Tensor(a!)`` in its schema); lists are expanded."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return []
+    found = []
+    for i, arg in enumerate(node.target._schema.arguments):
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        values = value if isinstance(value, (list, tuple)) else [value]
+        found += [v for v in values if isinstance(v, torch.fx.Node)]
+    return found

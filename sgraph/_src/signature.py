@@ -50,7 +50,11 @@ def signature_of(leaves: list[Any], spec: tree.PyTreeSpec, paths: Sequence[str] 
         TypeError: a static (non-tensor) leaf is not hashable; names its path when
             ``paths`` is given.
     """
-    keys = tuple(_leaf_key(leaf) for leaf in leaves)
+    plain = torch.Tensor
+    # Plain tensors inline: this runs on every call, for every leaf.
+    keys = tuple([
+        ("tensor", t.shape, t.dtype, t.device, t.stride()) if type(t) is plain else _leaf_key(t) for t in leaves
+    ])
     try:
         hash(keys)
     except TypeError:

@@ -25,7 +25,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from . import tree
 from .capture import SOURCE_KEY, GuardMode, Source, SourceMode, no_host_sync
 from .errors import CaptureError
-from .program import LeafInfo, Program, alias_root
+from .program import LeafInfo, Program, alias_root, written_args
 
 __all__ = ["ArgLayout", "trace", "arg_layout"]
 
@@ -210,19 +210,7 @@ def _write_source(gm: torch.fx.GraphModule, index: int) -> Source | None:
     """The source of the first in-place op that writes into placeholder ``index``."""
     target = [n for n in gm.graph.nodes if n.op == "placeholder"][index]
     for node in gm.graph.nodes:
-        for arg in _written_args(node):
+        for arg in written_args(node):
             if alias_root(arg) is target:
                 return node.meta.get(SOURCE_KEY)
     return None
-
-
-def _written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return []
-    schema = node.target._schema
-    found = []
-    for i, arg in enumerate(schema.arguments):
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.fx.Node):
-            found.append(value)
-    return found

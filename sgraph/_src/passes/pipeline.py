@@ -2,7 +2,8 @@
 
 Whatever order the user stacks the decorators in, a step is lowered the same way:
 cleanup, then (as they land) sharding, fusion and memory planning, then donation,
-which must see the final outputs.
+which must see the final outputs, then reinplacing, which makes the graph write
+donated outputs straight into their inputs and so must come last.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from ..options import Options
 from ..program import Program
 from .cleanup import cleanup
 from .donation import donation
+from .reinplace import reinplace
 
 __all__ = ["lower"]
 
@@ -20,8 +22,9 @@ def lower(program: Program, options: Options) -> Program:
 
     Example:
         >>> lower(traced_program, options).passes
-        ('cleanup', 'donation')
+        ('cleanup', 'donation', 'reinplace')
     """
     del options  # read by the sharding, fusion and memory passes as they land
     program = cleanup(program)
-    return donation(program)
+    program = donation(program)
+    return reinplace(program)

@@ -9,7 +9,9 @@ Buffers:
   (``outputs="copy"``), so what the user holds is never overwritten by a later
   replay; ``outputs="view"`` hands out the graph's own buffers instead.
 
-Before each replay the donated inputs' addresses are compared with those the graph
+The first call runs the step eagerly (that run is also the warm-up: library
+handles and workspaces get made outside the capture), then captures; later calls
+replay. Before each replay the donated inputs' addresses are compared with those the graph
 was captured for; a replaced tensor makes the graph capture again (or raise, under
 ``retrace="error"``) rather than run on memory the user no longer passes.
 """
@@ -32,9 +34,6 @@ from .graph_nodes import count_kernels, new_graph
 
 __all__ = ["CudaGraphExecutable"]
 
-_WARMUP_RUNS = 2
-
-
 class CudaGraphExecutable:
     """One CUDA graph for a Program; see the module docstring for buffer rules."""
 
@@ -56,7 +55,7 @@ class CudaGraphExecutable:
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if self.graph is None or self._donated_moved(inputs):
-            self._capture(inputs)
+            return self._run_then_capture(inputs)
         if self.static_inputs:
             torch._foreach_copy_(list(self.static_inputs.values()), [inputs[i] for i in self.static_inputs])
         self.graph.replay()
@@ -95,18 +94,33 @@ class CudaGraphExecutable:
             )
         return True
 
-    def _capture(self, inputs: Sequence[torch.Tensor]) -> None:
+    def _run_then_capture(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Run the step eagerly on the capture stream (this is the call's real step, and
+        the warm-up that creates library handles and workspaces outside the capture),
+        then capture the graph the later calls replay."""
         start = time.perf_counter()
         self.graph = None
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(stream):
+            results = list(self.graph_module(*inputs))
+            write_back(inputs, results, self.aliases)
+            results = self._outputs_of_eager_run(inputs, results)
+        self._capture(inputs, stream)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.capture_seconds = time.perf_counter() - start
+        return results
+
+    def _outputs_of_eager_run(self, inputs: Sequence[torch.Tensor], results: list[torch.Tensor]) -> list[torch.Tensor]:
+        for i, p in self.placeholder_outputs.items():
+            results[i] = inputs[p]
+        return results
+
+    def _capture(self, inputs: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None:
         donated = set(self.donated)
         self.static_inputs = {i: t.detach().clone() for i, t in enumerate(inputs) if i not in donated}
         graph_inputs = [self.static_inputs.get(i, t) for i, t in enumerate(inputs)]
         self.donated_ptrs = {i: inputs[i].data_ptr() for i in self.donated}
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), torch.cuda.stream(stream):
-            self._warm_up(graph_inputs)
-        torch.cuda.current_stream().wait_stream(stream)
         graph, kept = new_graph()
         recorder = _NamingInterpreter(self.program)
         try:
@@ -117,21 +131,9 @@ class CudaGraphExecutable:
             raise recorder.capture_error(error) from error
         if kept:
             graph.instantiate()
-        torch.cuda.current_stream().wait_stream(stream)
         self.graph, self.static_outputs = graph, outputs
         self.captures += 1
         self.kernel_launches = count_kernels(graph, kept)
-        self.capture_seconds = time.perf_counter() - start
-
-    def _warm_up(self, graph_inputs: list[torch.Tensor]) -> None:
-        """Run the graph eagerly on the capture stream: library handles and workspaces get
-        made outside the capture. Inputs the graph writes into are cloned, so warm-up
-        leaves the user's tensors untouched."""
-        written = self.program.written_inputs()
-        safe = [t.clone() if i in written else t for i, t in enumerate(graph_inputs)]
-        for _ in range(_WARMUP_RUNS):
-            self.graph_module(*safe)
-
 
 
 class _NamingInterpreter(torch.fx.Interpreter):

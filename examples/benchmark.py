@@ -1,0 +1,232 @@
+"""Time sgraph against the usual ways to run a train step, in one run, on one GPU.
+
+    python examples/benchmark.py --json bench.json                # all workloads, all variants
+    python examples/benchmark.py --workloads mlp-small --variants eager sg-static
+
+Workloads and method follow PERFORMANCE-ANCHORS: forward + loss + backward + AdamW,
+bf16 autocast with fp32 master params, TF32 matmuls allowed; median of 50 steps
+timed with CUDA events after 5 warm-up steps; "first" is the wall time of the first
+call (compile and capture included); peak is torch.cuda.max_memory_allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from models import GPT, GPTConfig, gpt_loss, mlp
+
+import sgraph as sg
+
+WORKLOADS = {
+    "mlp-small": ("mlp", None, 64),
+    "gpt-mini": ("gpt", GPTConfig(vocab=8192, d=512, layers=6, heads=8, seq=256), 32),
+    "gpt-med": ("gpt", GPTConfig(vocab=32768, d=1024, layers=12, heads=16, seq=1024), 16),
+}
+LR, WEIGHT_DECAY = 3e-4, 0.01
+
+
+def build(workload: str):
+    """The model (on the GPU), one fixed batch, and the loss on fp32 logits."""
+    kind, cfg, batch = WORKLOADS[workload]
+    torch.manual_seed(0)
+    if kind == "mlp":
+        model = mlp(1024, 4, 10).cuda()
+        x = torch.randn(batch, 1024, device="cuda")
+        y = torch.randint(0, 10, (batch,), device="cuda")
+        return model, (x, y), lambda logits, y: F.cross_entropy(logits.float(), y)
+    model = GPT(cfg).cuda()
+    x = torch.randint(0, cfg.vocab, (batch, cfg.seq), device="cuda")
+    y = torch.randint(0, cfg.vocab, (batch, cfg.seq), device="cuda")
+    return model, (x, y), gpt_loss
+
+
+def autocast():
+    return torch.autocast("cuda", dtype=torch.bfloat16)
+
+
+def eager_step(model, batch, loss, opt) -> Callable[[], None]:
+    x, y = batch
+
+    def run() -> None:
+        with autocast():
+            value = loss(model(x), y)
+        value.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return run
+
+
+def variant_eager(workload: str) -> Callable[[], None]:
+    model, batch, loss = build(workload)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    return eager_step(model, batch, loss, opt)
+
+
+def variant_compile(workload: str, mode: str | None = None) -> Callable[[], None]:
+    model, batch, loss = build(workload)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    return eager_step(torch.compile(model, mode=mode), batch, loss, opt)
+
+
+def variant_handmade_graph(workload: str, compiled: bool, fused: bool) -> Callable[[], None]:
+    """The whole step captured by hand in one CUDA graph, AdamW capturable."""
+    model, batch, loss = build(workload)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, capturable=True,
+        fused=fused, foreach=not fused,
+    )
+    net = torch.compile(model) if compiled else model
+    body = eager_step(net, batch, loss, opt)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    x, y = batch
+    with torch.cuda.graph(graph):
+        with autocast():
+            value = loss(net(x), y)
+        value.backward()
+        opt.step()
+    return graph.replay
+
+
+def variant_sg_static(workload: str) -> Callable[[], None]:
+    model, batch, loss = build(workload)
+    apply, params, buffers = sg.functional(model)
+    opt = sg.optim.adamw(LR, weight_decay=WEIGHT_DECAY)
+    state = {"params": params, "opt": opt.init(params)}
+
+    def loss_fn(params, batch):
+        x, y = batch
+        with autocast():
+            logits = apply(params, buffers, x)
+        return loss(logits, y)
+
+    @sg.static(donate=("params", "opt_state"))
+    def train_step(params, opt_state, batch):
+        value, grads = sg.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return sg.optim.apply_updates(params, updates), opt_state, {"loss": value}
+
+    def run() -> None:
+        state["params"], state["opt"], _ = train_step(state["params"], state["opt"], batch)
+
+    run.step = train_step  # type: ignore[attr-defined]
+    return run
+
+
+VARIANTS: dict[str, tuple[str, Callable[[str], Callable[[], None]]]] = {
+    "eager": ("eager, AdamW fused", variant_eager),
+    "compile": ("torch.compile(model), AdamW fused", variant_compile),
+    "compile-ro": (
+        'torch.compile(model, mode="reduce-overhead"), AdamW fused',
+        lambda w: variant_compile(w, "reduce-overhead"),
+    ),
+    "graph-eager": (
+        "whole step in one hand-captured CUDA graph, eager kernels, AdamW foreach capturable",
+        lambda w: variant_handmade_graph(w, compiled=False, fused=False),
+    ),
+    "graph-best": (
+        "same, model torch.compile'd, AdamW fused+capturable (best hand-made)",
+        lambda w: variant_handmade_graph(w, compiled=True, fused=True),
+    ),
+    "sg-static": ("sg.static (eager kernels, one CUDA graph)", variant_sg_static),
+}
+SGRAPH = [k for k in VARIANTS if k.startswith("sg-")]
+
+
+def measure(make: Callable[[str], Callable[[], None]], workload: str, steps: int) -> dict:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    run = make(workload)
+    run()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - start
+    for _ in range(4):
+        run()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    for begin, end in events:
+        begin.record()
+        run()
+        end.record()
+    torch.cuda.synchronize()
+    times = [b.elapsed_time(e) for b, e in events]
+    result = {
+        "ms": statistics.median(times),
+        "peak_mib": torch.cuda.max_memory_allocated() / 2**20,
+        "first_s": first,
+    }
+    step = getattr(run, "step", None)
+    if step is not None:
+        stats = step.last_compiled.stats
+        result.update(kernels=stats.kernel_launches, traces=stats.traces, capture_s=stats.capture_seconds)
+    del run
+    torch._dynamo.reset()
+    return result
+
+
+def print_table(results: dict, workloads: list[str]) -> None:
+    print("\n## median ms per step (peak MiB, first-call s)\n")
+    print("| variant | " + " | ".join(workloads) + " |")
+    print("|---|" + "---|" * len(workloads))
+    for key, cells in results.items():
+        row = [f"{c['ms']:.3f} ({c['peak_mib']:.0f} MiB, {c['first_s']:.1f} s)" if c else "-" for c in cells.values()]
+        print(f"| {VARIANTS[key][0]} | " + " | ".join(row) + " |")
+    for sg_key in [k for k in SGRAPH if k in results]:
+        print(f"\n## speed-up of {VARIANTS[sg_key][0]} (anchor ms / sgraph ms; > 1 means sgraph is faster)\n")
+        print("| anchor | " + " | ".join(workloads) + " |")
+        print("|---|" + "---|" * len(workloads))
+        for key, cells in results.items():
+            if key in SGRAPH:
+                continue
+            row = [
+                f"{cells[w]['ms'] / results[sg_key][w]['ms']:.2f}x" if cells.get(w) and results[sg_key].get(w) else "-"
+                for w in workloads
+            ]
+            print(f"| {VARIANTS[key][0]} | " + " | ".join(row) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmark.py times CUDA graphs and needs a GPU; run examples/quickstart.py on CPU.")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    results: dict = {v: {} for v in args.variants}
+    for workload in args.workloads:
+        for key in args.variants:
+            try:
+                results[key][workload] = measure(VARIANTS[key][1], workload, args.steps)
+            except Exception as error:  # one variant failing must not hide the others
+                print(f"{key} on {workload} failed: {type(error).__name__}: {str(error)[:300]}")
+                results[key][workload] = None
+            print(key, workload, results[key][workload], flush=True)
+    print(f"\ntorch {torch.__version__}, {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}")
+    print_table(results, args.workloads)
+    if args.json:
+        meta = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

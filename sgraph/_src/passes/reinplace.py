@@ -1,0 +1,163 @@
+"""Compute donated outputs in place, in the donated input's own memory.
+
+After :mod:`donation`, output ``o`` is to be written into donated input ``i``. When
+``o`` is made by an elementwise (or foreach) op whose first argument is input ``i``
+itself -- or an intermediate made that way and read by nothing else -- and nothing
+reads the old value afterwards, the op's in-place form produces ``o`` directly in
+``i``'s memory: no new buffer, and no copy back at the end of the step.
+``new_mu = lerp(mu, g)`` becomes ``mu.lerp_(g)``; ``new_p = p + u`` becomes
+``p.add_(u)``; foreach ops likewise, all their lists' tensors at once.
+
+The result is no longer purely functional (it writes into its inputs), so this
+pass runs last, and only for runtimes that execute the graph as it is.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from ..program import Program, alias_root
+
+__all__ = ["reinplace"]
+
+Node = torch.fx.Node
+
+
+def reinplace(program: Program) -> Program:
+    """Rewrite the ops producing donated outputs into their in-place forms where safe.
+
+    Example:
+        >>> [n.target for n in reinplace(program).ops()][-1]
+        aten._foreach_add_.List
+    """
+    gm = program.copy_graph_module()
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    returned = next(n for n in graph.nodes if n.op == "output").args[0]
+    target_of = {returned[o]: placeholders[i] for o, i in program.aliases}
+    pending = {op for op in map(_producer, target_of) if op is not None}
+    while pending:
+        # Latest first: rewriting an op can make the op producing its input eligible.
+        op = max(pending, key=order.__getitem__)
+        pending.discard(op)
+        selves = _rewrite(graph, op, target_of, order)
+        pending.update(p for p in map(_producer, selves) if p is not None)
+    graph.eliminate_dead_code()
+    gm.recompile()
+    return program.replace(graph_module=gm, passes=program.passes + ("reinplace",))
+
+
+def _producer(node: Node) -> Node | None:
+    """The op making ``node`` (for a foreach result, the foreach op)."""
+    if not isinstance(node, Node) or node.op != "call_function":
+        return None
+    if node.target is operator.getitem and isinstance(node.args[0], Node):
+        return node.args[0]
+    return node
+
+
+def _rewrite(graph: torch.fx.Graph, op: Node, target_of: dict[Node, Node], order: dict[Node, int]) -> list[Node]:
+    """Replace ``op`` by its in-place form if every written tensor is safe to overwrite.
+
+    Returns:
+        The tensors now written in place (empty when ``op`` was left alone).
+    """
+    inplace = _inplace_variant(op.target)
+    if inplace is None:
+        return []
+    selves = list(op.args[0]) if _is_foreach(op) else [op.args[0]]
+    results = _results(op)
+    if results is None or len(results) != len(selves):
+        return []
+    if not all(_safe(s, r, op, target_of, order) for s, r in zip(selves, results)):
+        return []
+    with graph.inserting_before(op):
+        new = graph.call_function(inplace, op.args, op.kwargs)
+    new.meta = {k: v for k, v in op.meta.items() if k != "val" or not _is_foreach(op)}
+    order[new] = order[op]
+    for self_node, result in zip(selves, results):
+        if result is None:
+            continue
+        replacement = self_node if _is_foreach(op) else new
+        result.replace_all_uses_with(replacement)
+        if result in target_of:
+            target_of[replacement] = target_of[self_node] = target_of.pop(result)
+        if result is not op:
+            graph.erase_node(result)
+    graph.erase_node(op)
+    return [s for s in selves if s.op != "placeholder"]
+
+
+def _results(op: Node) -> list[Node | None] | None:
+    """Per list position, the getitem node reading that result (foreach), or the op itself."""
+    if not _is_foreach(op):
+        return [op]
+    results: list[Node | None] = [None] * len(op.args[0])
+    for user in op.users:
+        if user.target is not operator.getitem:
+            return None
+        results[user.args[1]] = user
+    return results
+
+
+def _safe(self_node: object, result: Node | None, op: Node, target_of: dict[Node, Node], order: dict[Node, int]) -> bool:
+    if not isinstance(self_node, Node):
+        return False
+    if result is not None and not _same_layout(self_node, result):
+        return False
+    if self_node.op == "placeholder":
+        # Only into the donated input this very result is written into.
+        if result is None or target_of.get(result) is not self_node:
+            return False
+    elif len(self_node.users) != 1:
+        return False
+    if _other_args_alias(op, self_node):
+        return False
+    return all(order[r] <= order[op] for r in _readers(self_node))
+
+
+def _readers(node: Node) -> set[Node]:
+    """Every node that reads ``node``'s memory: its users and the users of its views."""
+    found, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        for user in current.users:
+            found.add(user)
+            if user.op == "call_function" and alias_root(user) is not user:
+                stack.append(user)
+    return found
+
+
+def _other_args_alias(op: Node, self_node: Node) -> bool:
+    root = alias_root(self_node)
+    others = torch.utils._pytree.tree_leaves((op.args[1:], op.kwargs))
+    return any(isinstance(a, Node) and a is not self_node and alias_root(a) is root for a in others)
+
+
+def _same_layout(a: Node, b: Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)):
+        return False
+    return va.dtype == vb.dtype and va.shape == vb.shape and va.stride() == vb.stride() and va.device == vb.device
+
+
+def _is_foreach(op: Node) -> bool:
+    return op.target._schema.name.startswith("aten::_foreach_")
+
+
+def _inplace_variant(target: object) -> torch._ops.OpOverload | None:
+    """``aten.add.Tensor`` -> ``aten.add_.Tensor`` for elementwise and foreach ops, else None."""
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+        return None
+    name = target._schema.name.split("::")[1]
+    if not (name.startswith("_foreach_") or torch.Tag.pointwise in target.tags):
+        return None
+    packet = getattr(torch.ops.aten, name + "_", None)
+    variant = getattr(packet, target._overloadname, None) if packet is not None else None
+    if variant is None or len(variant._schema.arguments) != len(target._schema.arguments):
+        return None
+    return variant

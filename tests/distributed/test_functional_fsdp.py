@@ -1,0 +1,247 @@
+"""sg.functional on an FSDP2 (``fully_shard``) module: 2 CPU processes over gloo.
+
+Both processes run every check once (one spawn for the file, since starting a
+process costs seconds); each check's result per rank is then one pytest test.
+Reference numbers come from the same model unsharded, on the global batch: rank r
+gets rows [3r, 3r + 3) of it, so the mean of the ranks' local-mean gradients is the
+global-mean gradient (fp32, rtol 1e-5 for reduction order).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import sgraph as sg
+
+WORLD = 2
+ROWS = 3  # per rank
+
+_CHECKS: dict[str, Callable[..., None]] = {}
+
+
+def _check(fn: Callable[..., None]) -> Callable[..., None]:
+    _CHECKS[fn.__name__] = fn
+    return fn
+
+
+# --------------------------------------------------------------------------- models
+
+
+def _reference() -> nn.Module:
+    """An MLP whose last layer (5 rows) shards unevenly over 2 ranks."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.ReLU(), nn.Linear(6, 5))
+
+
+def _sharded(reference: nn.Module, mesh, **options) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = copy.deepcopy(reference)
+    for layer in (model[0], model[3]):
+        fully_shard(layer, mesh=mesh, **options)
+    return fully_shard(model, mesh=mesh, **options)
+
+
+def _batch() -> torch.Tensor:
+    return torch.randn(WORLD * ROWS, 4, generator=torch.Generator().manual_seed(1))
+
+
+def _local(x: torch.Tensor, rank: int) -> torch.Tensor:
+    return x[rank * ROWS : (rank + 1) * ROWS]
+
+
+def _with_user_hooks(model: nn.Module) -> list[str]:
+    """Hooks registered after FSDP2's, on its modules: they must keep running, and keep their places."""
+    calls: list[str] = []
+    for name in ("0", "3"):
+        layer = model.get_submodule(name)
+        layer.register_forward_pre_hook(lambda module, args, name=name: calls.append(f"pre {name}"))
+        layer.register_forward_hook(lambda module, args, out, name=name: calls.append(f"post {name}"))
+    return calls
+
+
+def _hooks(model: nn.Module) -> list[list[tuple[int, object]]]:
+    """Every forward hook dict of every submodule, as ordered (id, hook) pairs."""
+    names = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_always_called")
+    return [list(getattr(m, n).items()) for m in model.modules() for n in names]
+
+
+def _leaves(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().requires_grad_() for k, v in params.items()}
+
+
+# --------------------------------------------------------------------------- checks
+
+
+@_check
+def params_are_the_sharded_dtensors(rank: int, mesh) -> None:
+    from torch.distributed.tensor import DTensor, Shard
+
+    model = _sharded(_reference(), mesh)
+    _, params, buffers = sg.functional(model)
+    assert list(params) == [k for k, _ in _reference().named_parameters()] and buffers == {}
+    for k, p in params.items():
+        own = model.get_parameter(k)
+        assert isinstance(p, DTensor) and p.placements == (Shard(0),), k
+        assert p is not own and not p.requires_grad, k
+        assert p.to_local().data_ptr() == own.to_local().data_ptr(), k
+
+
+@_check
+def output_matches_the_unsharded_model(rank: int, mesh) -> None:
+    reference = _reference()
+    apply, params, buffers = sg.functional(_sharded(reference, mesh))
+    x = _local(_batch(), rank)
+    assert torch.equal(apply(params, buffers, x), reference(x))
+
+
+@_check
+def apply_uses_the_params_passed_in(rank: int, mesh) -> None:
+    reference = _reference()
+    apply, params, buffers = sg.functional(_sharded(reference, mesh))
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.mul_(-0.5)
+    x = _local(_batch(), rank)
+    out = apply({k: -0.5 * p for k, p in params.items()}, buffers, x)
+    assert torch.allclose(out, reference(x), rtol=1e-5, atol=1e-6)
+
+
+@_check
+def grads_are_sharded_and_averaged_over_ranks(rank: int, mesh) -> None:
+    from torch.distributed.tensor import DTensor, Shard
+
+    reference = _reference()
+    model = _sharded(reference, mesh)
+    apply, params, buffers = sg.functional(model)
+    x = _batch()
+    leaves = _leaves(params)
+    loss = apply(leaves, buffers, _local(x, rank)).square().mean()
+    grads = torch.autograd.grad(loss, list(leaves.values()))
+    reference(x).square().mean().backward()
+    for (k, g) in zip(leaves, grads):
+        assert isinstance(g, DTensor) and g.placements == (Shard(0),), k
+        torch.testing.assert_close(g.full_tensor(), reference.get_parameter(k).grad, rtol=1e-5, atol=1e-6)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@_check
+def fsdp_still_works_after_apply(rank: int, mesh) -> None:
+    reference = _reference()
+    model = _sharded(reference, mesh)
+    calls = _with_user_hooks(model)
+    hooks = _hooks(model)
+    apply, params, buffers = sg.functional(model)
+    x = _batch()
+    leaves = _leaves(params)
+    torch.autograd.grad(apply(leaves, buffers, _local(x, rank)).sum(), list(leaves.values()))
+    assert calls == ["pre 0", "post 0", "pre 3", "post 3"]
+    assert _hooks(model) == hooks
+    out = model(_local(x, rank))
+    assert torch.equal(out, reference(_local(x, rank)))
+    out.square().mean().backward()
+    reference(x).square().mean().backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), reference.get_parameter(k).grad, rtol=1e-5, atol=1e-6)
+    assert torch.equal(apply(params, buffers, _local(x, rank)), model(_local(x, rank)))
+
+
+@_check
+def hooks_come_back_when_forward_raises(rank: int, mesh) -> None:
+    reference = _reference()
+    model = _sharded(reference, mesh)
+    _with_user_hooks(model)
+    hooks = _hooks(model)
+    apply, params, buffers = sg.functional(model)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        apply(params, buffers, torch.randn(ROWS, 7))
+    assert _hooks(model) == hooks
+    x = _local(_batch(), rank)
+    assert torch.equal(model(x), reference(x))
+
+
+@_check
+def unsharded_params_are_refused(rank: int, mesh) -> None:
+    reference = _reference()
+    model = _sharded(reference, mesh)
+    x = _local(_batch(), rank)
+    model(x)  # FSDP2 keeps the root's parameters unsharded until backward
+    with pytest.raises(sg.SgraphError, match=r"sg\.functional: parameter '1\.weight' of an FSDP2 module is unsharded"):
+        sg.functional(model)
+    model.reshard()
+    apply, params, buffers = sg.functional(model)
+    assert torch.equal(apply(params, buffers, x), reference(x))
+
+
+@_check
+def mixed_precision_is_refused(rank: int, mesh) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = _sharded(_reference(), mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    with pytest.raises(sg.SgraphError, match=r"sg\.functional: an FSDP2 module has a MixedPrecisionPolicy"):
+        sg.functional(model)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    results = {}
+    for name, check in _CHECKS.items():
+        try:
+            check(rank, mesh)
+            results[name] = ""
+        except (Exception, pytest.fail.Exception):  # recorded, reported by the test of that check
+            results[name] = traceback.format_exc()
+        dist.barrier()
+    dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict[str, str]]:
+    out_dir = tmp_path_factory.mktemp("fsdp")
+    context = mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + 180
+    while not context.join(timeout=2):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the FSDP worker processes did not finish within 180 s")
+    return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("check", list(_CHECKS))
+def test_fsdp(results: list[dict[str, str]], check: str) -> None:
+    for rank, result in enumerate(results):
+        assert result[check] == "", f"rank {rank}:\n{result[check]}"
