@@ -64,19 +64,26 @@ def test_matches_torch_adamw_loop_for_20_steps(kind):
     assert step.trace_count == 1
 
 
-def test_static_is_bitwise_equal_to_the_same_step_run_eagerly():
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_static_matches_the_same_step_run_eagerly(optimizer):
     torch.manual_seed(0)
     apply, params, _ = own_params(mlp(16, 2, 4))
-    opt = sg.optim.adamw(1e-3)
+    opt = sg.optim.sgd(0.1, momentum=0.9) if optimizer == "sgd" else sg.optim.adamw(1e-3)
     step = make_train_step(apply, F.cross_entropy, opt, donate=("params", "opt_state"))
     eager_params, eager_state = copy.deepcopy(params), opt.init(params)
     state = opt.init(params)
     for batch in classification_batches(5, 8, 16, 4):
         params, state, metrics = step(params, state, batch)
         eager_params, eager_state, eager_metrics = step.fn(eager_params, eager_state, batch)
-        assert torch.equal(metrics["loss"], eager_metrics["loss"])
+        torch.testing.assert_close(metrics["loss"], eager_metrics["loss"], rtol=1e-6, atol=0)
     for k in params:
-        assert torch.equal(params[k], eager_params[k]), k
+        if optimizer == "sgd":
+            # Bitwise: the graph runs the very ATen ops the eager step runs.
+            assert torch.equal(params[k], eager_params[k]), k
+        else:
+            # AdamW's update is new_p - p; the static step folds p + (new_p - p) to
+            # new_p, which differs from the eager sum by at most one rounding.
+            torch.testing.assert_close(params[k], eager_params[k], rtol=1e-6, atol=1e-9)
 
 
 def test_batchnorm_running_stats_match_eager():

@@ -19,6 +19,7 @@ import operator
 import torch
 import torch.fx
 
+from ..kernels.adamw import INPLACE_FORMS, written_lists
 from ..program import Program, alias_root
 
 __all__ = ["reinplace"]
@@ -69,20 +70,20 @@ def _rewrite(graph: torch.fx.Graph, op: Node, target_of: dict[Node, Node], order
     inplace = _inplace_variant(op.target)
     if inplace is None:
         return []
-    selves = list(op.args[0]) if _is_foreach(op) else [op.args[0]]
-    results = _results(op)
-    if results is None or len(results) != len(selves):
+    selves = _selves(op)
+    results = _results(op, len(selves))
+    if results is None:
         return []
-    if not all(_safe(s, r, op, target_of, order) for s, r in zip(selves, results)):
+    if not all(_safe(s, r, op, selves, target_of, order) for s, r in zip(selves, results)):
         return []
     with graph.inserting_before(op):
         new = graph.call_function(inplace, op.args, op.kwargs)
-    new.meta = {k: v for k, v in op.meta.items() if k != "val" or not _is_foreach(op)}
+    new.meta = {k: v for k, v in op.meta.items() if k != "val" or not _returns_list(op)}
     order[new] = order[op]
     for self_node, result in zip(selves, results):
         if result is None:
             continue
-        replacement = self_node if _is_foreach(op) else new
+        replacement = self_node if _returns_list(op) else new
         result.replace_all_uses_with(replacement)
         if result in target_of:
             target_of[replacement] = target_of[self_node] = target_of.pop(result)
@@ -92,19 +93,33 @@ def _rewrite(graph: torch.fx.Graph, op: Node, target_of: dict[Node, Node], order
     return [s for s in selves if s.op != "placeholder"]
 
 
-def _results(op: Node) -> list[Node | None] | None:
-    """Per list position, the getitem node reading that result (foreach), or the op itself."""
-    if not _is_foreach(op):
+def _selves(op: Node) -> list[Node]:
+    """The tensors the in-place form writes, in the order the op returns their new values."""
+    if op.target in INPLACE_FORMS:
+        return written_lists(op.args)
+    return list(op.args[0]) if _returns_list(op) else [op.args[0]]
+
+
+def _results(op: Node, count: int) -> list[Node | None] | None:
+    """Per written tensor, the node reading its new value (getitem for list results)."""
+    if not _returns_list(op):
         return [op]
-    results: list[Node | None] = [None] * len(op.args[0])
+    results: list[Node | None] = [None] * count
     for user in op.users:
-        if user.target is not operator.getitem:
+        if user.target is not operator.getitem or user.args[1] >= count:
             return None
         results[user.args[1]] = user
     return results
 
 
-def _safe(self_node: object, result: Node | None, op: Node, target_of: dict[Node, Node], order: dict[Node, int]) -> bool:
+def _safe(
+    self_node: object,
+    result: Node | None,
+    op: Node,
+    selves: list[Node],
+    target_of: dict[Node, Node],
+    order: dict[Node, int],
+) -> bool:
     if not isinstance(self_node, Node):
         return False
     if result is not None and not _same_layout(self_node, result):
@@ -115,7 +130,7 @@ def _safe(self_node: object, result: Node | None, op: Node, target_of: dict[Node
             return False
     elif len(self_node.users) != 1:
         return False
-    if _other_args_alias(op, self_node):
+    if _other_args_alias(op, self_node, selves):
         return False
     return all(order[r] <= order[op] for r in _readers(self_node))
 
@@ -132,10 +147,14 @@ def _readers(node: Node) -> set[Node]:
     return found
 
 
-def _other_args_alias(op: Node, self_node: Node) -> bool:
+def _other_args_alias(op: Node, self_node: Node, selves: list[Node]) -> bool:
+    """Whether another argument reads ``self_node``'s memory (through a view, or twice)."""
     root = alias_root(self_node)
-    others = torch.utils._pytree.tree_leaves((op.args[1:], op.kwargs))
-    return any(isinstance(a, Node) and a is not self_node and alias_root(a) is root for a in others)
+    written = set(selves)
+    others = [a for a in torch.utils._pytree.tree_leaves((op.args, op.kwargs)) if isinstance(a, Node)]
+    if sum(a is self_node for a in others) > 1:
+        return True
+    return any(a not in written and alias_root(a) is root for a in others)
 
 
 def _same_layout(a: Node, b: Node) -> bool:
@@ -145,12 +164,15 @@ def _same_layout(a: Node, b: Node) -> bool:
     return va.dtype == vb.dtype and va.shape == vb.shape and va.stride() == vb.stride() and va.device == vb.device
 
 
-def _is_foreach(op: Node) -> bool:
-    return op.target._schema.name.startswith("aten::_foreach_")
+def _returns_list(op: Node) -> bool:
+    return op.target in INPLACE_FORMS or op.target._schema.name.startswith("aten::_foreach_")
 
 
 def _inplace_variant(target: object) -> torch._ops.OpOverload | None:
-    """``aten.add.Tensor`` -> ``aten.add_.Tensor`` for elementwise and foreach ops, else None."""
+    """``aten.add.Tensor`` -> ``aten.add_.Tensor`` for elementwise and foreach ops, and
+    sgraph's own kernels' in-place forms; None for anything else."""
+    if target in INPLACE_FORMS:
+        return INPLACE_FORMS[target]
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
         return None
     name = target._schema.name.split("::")[1]

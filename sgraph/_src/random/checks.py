@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TypeGuard
 
 import torch
 from torch import Tensor
@@ -35,12 +36,12 @@ def describe(x: object) -> str:
     return f"{type(x).__name__} {x!r}"
 
 
-def is_int(x: object) -> bool:
+def is_int(x: object) -> TypeGuard[int]:
     """Whether ``x`` is a Python int (bool excluded)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_number(x: object) -> bool:
+def _is_number(x: object) -> TypeGuard[float]:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 

@@ -43,8 +43,8 @@ def bits(key: Tensor, shape: Shape) -> Tensor:
         [1797259609, 2579123966]
     """
     key = check_key("bits", key)
-    shape = check_shape("bits", shape)
-    return stream(key, math.prod(shape)).reshape(shape)
+    dims = check_shape("bits", shape)
+    return stream(key, math.prod(dims)).reshape(dims)
 
 
 def unit24(words: Tensor) -> Tensor:
@@ -105,10 +105,10 @@ def uniform(
         >>> w = sg.random.uniform(k, (4, 4), minval=-0.1, maxval=0.1)
     """
     key = check_key("uniform", key)
-    shape = check_shape("uniform", shape)
+    dims = check_shape("uniform", shape)
     dtype = check_float_dtype("uniform", dtype)
     minval, maxval = check_bounds("uniform", minval, maxval)
-    u = _unit(key, shape, dtype)
+    u = _unit(key, dims, dtype)
     if (minval, maxval) != (0.0, 1.0):
         u = u * (maxval - minval) + minval
     top = torch.full((), maxval, dtype=dtype, device=key.device)
@@ -135,13 +135,13 @@ def normal(key: Tensor, shape: Shape, *, dtype: torch.dtype = torch.float32) -> 
         >>> eps = sg.random.normal(k, (16, 8), dtype=torch.bfloat16)
     """
     key = check_key("normal", key)
-    shape = check_shape("normal", shape)
+    dims = check_shape("normal", shape)
     dtype = check_float_dtype("normal", dtype)
     compute = torch.float64 if dtype == torch.float64 else torch.float32
-    n = math.prod(shape)
+    n = math.prod(dims)
     w = stream(key, 2 * ((n + 1) // 2)).reshape(-1, 2)
     z = box_muller(w[:, 0], w[:, 1], compute)
-    return z.reshape(-1)[:n].reshape(shape).to(dtype)
+    return z.reshape(-1)[:n].reshape(dims).to(dtype)
 
 
 def bernoulli(key: Tensor, p: float | Tensor = 0.5, shape: Shape | None = None) -> Tensor:
@@ -162,12 +162,10 @@ def bernoulli(key: Tensor, p: float | Tensor = 0.5, shape: Shape | None = None) 
     """
     key = check_key("bernoulli", key)
     if isinstance(p, Tensor):
-        shape = tuple(p.shape) if shape is None else check_shape("bernoulli", shape)
-        p = check_probability_tensor("bernoulli", p, shape)
-    else:
-        p = check_probability("bernoulli", p)
-        shape = check_shape("bernoulli", () if shape is None else shape)
-    return _unit(key, shape, torch.float32) < p
+        dims = tuple(p.shape) if shape is None else check_shape("bernoulli", shape)
+        return _unit(key, dims, torch.float32) < check_probability_tensor("bernoulli", p, dims)
+    dims = check_shape("bernoulli", () if shape is None else shape)
+    return _unit(key, dims, torch.float32) < check_probability("bernoulli", p)
 
 
 def dropout(key: Tensor, x: Tensor, p: float, *, training: bool = True) -> Tensor:
@@ -188,7 +186,7 @@ def dropout(key: Tensor, x: Tensor, p: float, *, training: bool = True) -> Tenso
         >>> h = sg.random.dropout(k, h, 0.1, training=is_training)
     """
     key = check_key("dropout", key)
-    p = check_probability("dropout", p)
+    rate = check_probability("dropout", p)
     if not isinstance(x, Tensor) or not x.dtype.is_floating_point:
         raise TypeError(
             f"sg.random.dropout: x must be a floating tensor; found {describe(x)}; "
@@ -199,9 +197,9 @@ def dropout(key: Tensor, x: Tensor, p: float, *, training: bool = True) -> Tenso
             f"sg.random.dropout: key and x must be on one device; found key on {key.device} "
             f"and x on {x.device}; make the key with sg.random.key(seed, device=x.device)"
         )
-    if p == 0.0 or not training:
+    if rate == 0.0 or not training:
         return x
-    if p == 1.0:
+    if rate == 1.0:
         return torch.zeros_like(x)
-    keep = _unit(key, tuple(x.shape), torch.float32) >= p
-    return torch.where(keep, x / (1.0 - p), torch.zeros((), dtype=x.dtype, device=x.device))
+    keep = _unit(key, tuple(x.shape), torch.float32) >= rate
+    return torch.where(keep, x / (1.0 - rate), torch.zeros((), dtype=x.dtype, device=x.device))

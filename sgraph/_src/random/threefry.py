@@ -22,8 +22,8 @@ _ROTATIONS = (13, 15, 26, 6, 17, 29, 16, 24)  # Random123 R_32x2 rotation consta
 Word = Tensor | int
 
 
-def _add(a: Word, b: Word) -> Word:
-    # Operands are < 2**33, so int64 never overflows and the mask is exact.
+def _add(a: Word, b: Tensor) -> Tensor:
+    # Both operands are below 2**32: the int64 sum cannot overflow, so masking is mod 2**32.
     return (a + b) & MASK
 
 
@@ -31,14 +31,14 @@ def _rotl(x: Tensor, r: int) -> Tensor:
     return ((x << r) | (x >> (32 - r))) & MASK
 
 
-def threefry2x32(k0: Word, k1: Word, x0: Word, x1: Word) -> tuple[Tensor, Tensor]:
+def threefry2x32(k0: Tensor, k1: Tensor, x0: Word, x1: Word) -> tuple[Tensor, Tensor]:
     """Hash a 64-bit counter under a 64-bit key with Threefry-2x32, 20 rounds.
 
     Args:
-        k0: the first key word, an int64 tensor (or int) of values in [0, 2**32).
+        k0: the first key word, an int64 tensor of values in [0, 2**32).
         k1: the second key word, likewise.
-        x0: the first counter word, broadcastable with the others; at least one of
-            the four arguments must be a tensor.
+        x0: the first counter word, an int64 tensor or int in [0, 2**32),
+            broadcastable with the others.
         x1: the second counter word, likewise.
 
     Returns:
@@ -51,14 +51,15 @@ def threefry2x32(k0: Word, k1: Word, x0: Word, x1: Word) -> tuple[Tensor, Tensor
         ['0x6b200159', '0x99ba4efe']
     """
     ks = (k0, k1, k0 ^ k1 ^ _PARITY)
-    x0, x1 = _add(x0, ks[0]), _add(x1, ks[1])
+    y0, y1 = _add(x0, ks[0]), _add(x1, ks[1])
     for group in range(5):
         for r in _ROTATIONS[4 * (group % 2) : 4 * (group % 2) + 4]:
-            x0 = _add(x0, x1)
-            x1 = _rotl(x1, r) ^ x0
-        x0 = _add(x0, ks[(group + 1) % 3])
-        x1 = _add(x1, _add(ks[(group + 2) % 3], group + 1))
-    return tuple(torch.broadcast_tensors(x0, x1))
+            y0 = _add(y0, y1)
+            y1 = _rotl(y1, r) ^ y0
+        y0 = _add(y0, ks[(group + 1) % 3])
+        y1 = _add(y1, _add(group + 1, ks[(group + 2) % 3]))
+    y0, y1 = torch.broadcast_tensors(y0, y1)
+    return y0, y1
 
 
 def stream(key: Tensor, n: int) -> Tensor:

@@ -48,6 +48,9 @@ class CudaGraphExecutable:
         self.donated = sorted(program.donated)
         self.aliased_outputs = {o for o, _ in program.aliases}
         self.placeholder_outputs = _placeholder_outputs(program)
+        kept = self.aliased_outputs | set(self.placeholder_outputs)
+        count = sum(leaf.is_tensor for leaf in program.outputs)
+        self.copied_outputs = [] if options.outputs == "view" else [i for i in range(count) if i not in kept]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.captures = 0
         self.kernel_launches: int | None = None
@@ -62,14 +65,11 @@ class CudaGraphExecutable:
         return self._outputs(inputs)
 
     def _outputs(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        results = []
-        for i, out in enumerate(self.static_outputs):
-            if i in self.placeholder_outputs:
-                results.append(inputs[self.placeholder_outputs[i]])
-            elif i in self.aliased_outputs or self.options.outputs == "view":
-                results.append(out)
-            else:
-                results.append(out.clone())
+        results = list(self.static_outputs)
+        for i in self.copied_outputs:
+            results[i] = results[i].clone()
+        for i, p in self.placeholder_outputs.items():
+            results[i] = inputs[p]
         return results
 
     def _donated_moved(self, inputs: Sequence[torch.Tensor]) -> bool:
