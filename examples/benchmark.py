@@ -80,8 +80,12 @@ def variant_handmade_graph(workload: str, compiled: bool, fused: bool) -> Callab
     """The whole step captured by hand in one CUDA graph, AdamW capturable."""
     model, batch, loss = build(workload)
     opt = torch.optim.AdamW(
-        model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, capturable=True,
-        fused=fused, foreach=not fused,
+        model.parameters(),
+        lr=LR,
+        weight_decay=WEIGHT_DECAY,
+        capturable=True,
+        fused=fused,
+        foreach=not fused,
     )
     net = torch.compile(model) if compiled else model
     body = eager_step(net, batch, loss, opt)

@@ -5,6 +5,7 @@ Write one pure train step over pytrees of tensors; ``sg.static`` captures it who
 """
 
 from . import optim, random, tree
+from ._src.api import Transformed, static
 from ._src.errors import (
     CaptureError,
     DonationWarning,
@@ -16,7 +17,6 @@ from ._src.errors import (
     StaleBufferError,
     TreeStructureError,
 )
-from ._src.api import Transformed, static
 from ._src.functional import functional
 from ._src.grad import grad, value_and_grad
 from ._src.stages import Compiled, CompiledStats, Lowered, Traced

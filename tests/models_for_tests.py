@@ -55,13 +55,18 @@ def torch_adamw_losses(model: nn.Module, batches, loss, lr=1e-3, weight_decay=0.
 
 def classification_batches(n, batch, width, classes, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, width, generator=g), torch.randint(0, classes, (batch,), generator=g)) for _ in range(n)]
+    return [
+        (torch.randn(batch, width, generator=g), torch.randint(0, classes, (batch,), generator=g)) for _ in range(n)
+    ]
 
 
 def token_batches(n, batch, cfg=TINY_GPT, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [
-        (torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g), torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g))
+        (
+            torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g),
+            torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g),
+        )
         for _ in range(n)
     ]
 

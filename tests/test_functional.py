@@ -115,7 +115,7 @@ def test_grads_through_apply_equal_backward():
     loss = (apply(leaves, buffers, x) - y).square().mean()
     grads = torch.autograd.grad(loss, list(leaves.values()))
     (model(x) - y).square().mean().backward()
-    for (k, g) in zip(leaves, grads):
+    for k, g in zip(leaves, grads):
         assert torch.equal(g, model.get_parameter(k).grad), k
 
 
@@ -225,7 +225,9 @@ def test_only_the_batchnorm_layers_that_ran_are_written():
     assert all(new_buffers[k] is buffers[k] for k in buffers if k.startswith("a."))
     assert all(new_buffers[k] is not buffers[k] for k in buffers if k.startswith("b."))
     strict, params, buffers = sg.functional(model, return_buffers=False)
-    with pytest.raises(ValueError, match=r"wrote buffer\(s\) 'a\.running_mean', 'a\.running_var', 'a\.num_batches_tracked' in"):
+    with pytest.raises(
+        ValueError, match=r"wrote buffer\(s\) 'a\.running_mean', 'a\.running_var', 'a\.num_batches_tracked' in"
+    ):
         strict(params, buffers, x, branch="a")
 
 
@@ -235,7 +237,7 @@ def test_buffers_written_by_a_custom_module():
     with pytest.raises(
         sg.SgraphError,
         match=r"wrote buffer\(s\) 'calls', 'last_mean' in forward \(the tensors passed as buffers 'calls' have been "
-        r"written too\), but this apply was made with return_buffers=False.*sg\.functional\(module, return_buffers=True\)",
+        r"written too\), but this apply was made with return_buffers=False.*sg\.functional\(module, return_buffers=True\)",  # noqa: E501
     ):
         apply(params, buffers, x)
     model = _Counter()
@@ -277,7 +279,9 @@ def test_tied_leaf_reaches_both_uses():
 def test_missing_key_names_it():
     apply, params, buffers = sg.functional(_mlp())
     del params["0.weight"]
-    with pytest.raises(ValueError, match=r"apply: params is missing '0\.weight'; pass the dict returned by sg\.functional"):
+    with pytest.raises(
+        ValueError, match=r"apply: params is missing '0\.weight'; pass the dict returned by sg\.functional"
+    ):
         apply(params, buffers, torch.randn(1, 4))
 
 
@@ -298,7 +302,9 @@ def test_wrong_types_are_named():
     apply, params, buffers = sg.functional(_mlp())
     with pytest.raises(sg.TreeStructureError, match=r"apply: params must be a dict .* found list"):
         apply(list(params.values()), buffers, torch.randn(1, 4))
-    with pytest.raises(TypeError, match=r"apply: params\['0\.bias'\] must be a torch\.Tensor of shape \(8,\), found float"):
+    with pytest.raises(
+        TypeError, match=r"apply: params\['0\.bias'\] must be a torch\.Tensor of shape \(8,\), found float"
+    ):
         apply({**params, "0.bias": 0.0}, buffers, torch.randn(1, 4))
     with pytest.raises(TypeError, match=r"sg\.functional: module must be a torch\.nn\.Module, found function"):
         sg.functional(lambda x: x)

@@ -58,7 +58,9 @@ def test_nested_grad_gives_second_derivative():
 
 
 def test_errors_name_the_problem():
-    with pytest.raises(TypeError, match=r"must return a floating-point scalar tensor; found a float32 tensor of shape \(2,\)"):
+    with pytest.raises(
+        TypeError, match=r"must return a floating-point scalar tensor; found a float32 tensor of shape \(2,\)"
+    ):
         sg.grad(lambda x: x * 2)(torch.ones(2))
     with pytest.raises(TypeError, match=r"Pass has_aux=True"):
         sg.grad(lambda x: (x.sum(), 1))(torch.ones(2))

@@ -253,7 +253,7 @@ def _snapshot(tree):
 
 
 def _assert_unchanged(tree, snap, what):
-    for x, (before, version, ptr) in zip(sg.tree.leaves(tree), snap):
+    for x, (before, version, _ptr) in zip(sg.tree.leaves(tree), snap):
         assert torch.equal(x, before), f"{what} values changed"
         assert x._version == version, f"{what} was written in place"
 
@@ -429,7 +429,10 @@ def test_grads_structure_mismatch_names_the_path():
 def test_missing_params_for_weight_decay_says_to_pass_them():
     for opt in (sg.optim.adamw(1e-3), sg.optim.sgd(0.1, weight_decay=0.1), sg.optim.lion(1e-3, weight_decay=0.1)):
         params = _params()
-        match = r"update: params is None, but weight_decay=0\.\d+ needs the current params\. " r"Call update\(grads, state, params\)"
+        match = (
+            r"update: params is None, but weight_decay=0\.\d+ needs the current params\. "
+            r"Call update\(grads, state, params\)"
+        )
         with pytest.raises(ValueError, match=match):
             opt.update(params, opt.init(params))
 

@@ -114,9 +114,7 @@ SAMPLERS = {
 
 
 @pytest.mark.parametrize("name", SAMPLERS)
-@pytest.mark.parametrize(
-    "shape,expected", [(5, (5,)), ((2, 3), (2, 3)), ((), ()), ((0, 4), (0, 4))]
-)
+@pytest.mark.parametrize("shape,expected", [(5, (5,)), ((2, 3), (2, 3)), ((), ()), ((0, 4), (0, 4))])
 def test_output_shape_dtype_device(name, shape, expected):
     fn, dtype = SAMPLERS[name]
     out = fn(sg.random.key(1), shape)
@@ -297,78 +295,96 @@ I64 = torch.ones(4, dtype=torch.int64)
 # (call, error type, pattern naming the API, the argument, what was expected and found)
 ERRORS = {
     "key_float": (
-        lambda: sg.random.uniform(torch.zeros(3), 4), TypeError,
+        lambda: sg.random.uniform(torch.zeros(3), 4),
+        TypeError,
         r"sg\.random\.uniform: key must be an int64 tensor of shape \(2,\) made by "
         r"sg\.random\.key or split; found float32 tensor of shape \(3,\)",
     ),
     "key_unindexed_split": (
-        lambda: sg.random.normal(sg.random.split(K, 3), 4), TypeError,
+        lambda: sg.random.normal(sg.random.split(K, 3), 4),
+        TypeError,
         r"sg\.random\.normal: key .*found int64 tensor of shape \(3, 2\); "
         r"index the result of split",
     ),
     "key_int": (
-        lambda: sg.random.bits(0, 4), TypeError,
+        lambda: sg.random.bits(0, 4),
+        TypeError,
         r"sg\.random\.bits: key .*found int 0; make one with sg\.random\.key",
     ),
     "split_num": (
-        lambda: sg.random.split(K, 0), ValueError,
+        lambda: sg.random.split(K, 0),
+        ValueError,
         r"sg\.random\.split: num must be an int >= 1; found int 0",
     ),
     "seed": (
-        lambda: sg.random.key(1.5), TypeError,
+        lambda: sg.random.key(1.5),
+        TypeError,
         r"sg\.random\.key: seed must be an int.*found float 1\.5",
     ),
     "fold_in_float": (
-        lambda: sg.random.fold_in(K, 1.0), TypeError,
+        lambda: sg.random.fold_in(K, 1.0),
+        TypeError,
         r"sg\.random\.fold_in: data must be .*found float 1\.0",
     ),
     "fold_in_vector": (
-        lambda: sg.random.fold_in(K, I64), TypeError,
+        lambda: sg.random.fold_in(K, I64),
+        TypeError,
         r"sg\.random\.fold_in: data must be .*0-d integer tensor; "
         r"found int64 tensor of shape \(4,\)",
     ),
     "uniform_dtype": (
-        lambda: sg.random.uniform(K, 4, dtype=torch.int32), TypeError,
+        lambda: sg.random.uniform(K, 4, dtype=torch.int32),
+        TypeError,
         r"sg\.random\.uniform: dtype must be a floating torch\.dtype; found torch\.int32",
     ),
     "normal_dtype": (
-        lambda: sg.random.normal(K, 4, dtype=torch.int64), TypeError,
+        lambda: sg.random.normal(K, 4, dtype=torch.int64),
+        TypeError,
         r"sg\.random\.normal: dtype must be a floating torch\.dtype; found torch\.int64",
     ),
     "uniform_bounds": (
-        lambda: sg.random.uniform(K, 4, minval=1.0, maxval=1.0), ValueError,
+        lambda: sg.random.uniform(K, 4, minval=1.0, maxval=1.0),
+        ValueError,
         r"sg\.random\.uniform: minval and maxval .*minval < maxval; found minval=1\.0, maxval=1\.0",
     ),
     "shape": (
-        lambda: sg.random.uniform(K, (2, -1)), TypeError,
+        lambda: sg.random.uniform(K, (2, -1)),
+        TypeError,
         r"sg\.random\.uniform: shape must be .*non-negative ints; found tuple \(2, -1\)",
     ),
     "bernoulli_p": (
-        lambda: sg.random.bernoulli(K, 1.5, 4), ValueError,
+        lambda: sg.random.bernoulli(K, 1.5, 4),
+        ValueError,
         r"sg\.random\.bernoulli: p must be a probability, a number in \[0, 1\]; found float 1\.5",
     ),
     "bernoulli_p_shape": (
-        lambda: sg.random.bernoulli(K, torch.full((3,), 0.5), (4,)), ValueError,
+        lambda: sg.random.bernoulli(K, torch.full((3,), 0.5), (4,)),
+        ValueError,
         r"sg\.random\.bernoulli: p of shape \(3,\) must broadcast to shape \(4,\)",
     ),
     "bernoulli_p_int_tensor": (
-        lambda: sg.random.bernoulli(K, I64), TypeError,
+        lambda: sg.random.bernoulli(K, I64),
+        TypeError,
         r"sg\.random\.bernoulli: a tensor p must be floating; found int64 tensor of shape \(4,\)",
     ),
     "dropout_p_negative": (
-        lambda: sg.random.dropout(K, ONES, -0.1), ValueError,
+        lambda: sg.random.dropout(K, ONES, -0.1),
+        ValueError,
         r"sg\.random\.dropout: p must be a probability.*found float -0\.1",
     ),
     "dropout_p_above_one": (
-        lambda: sg.random.dropout(K, ONES, 1.1), ValueError,
+        lambda: sg.random.dropout(K, ONES, 1.1),
+        ValueError,
         r"sg\.random\.dropout: p must be a probability.*found float 1\.1",
     ),
     "dropout_device": (
-        lambda: sg.random.dropout(K, torch.ones(4, device="meta"), 0.5), ValueError,
+        lambda: sg.random.dropout(K, torch.ones(4, device="meta"), 0.5),
+        ValueError,
         r"sg\.random\.dropout: key and x must be on one device; found key on cpu and x on meta",
     ),
     "dropout_int_x": (
-        lambda: sg.random.dropout(K, I64, 0.5), TypeError,
+        lambda: sg.random.dropout(K, I64, 0.5),
+        TypeError,
         r"sg\.random\.dropout: x must be a floating tensor; found int64 tensor",
     ),
 }

@@ -171,17 +171,19 @@ def test_a_replaced_donated_tensor_is_detected_before_replay():
     def step(params):
         return {"w": params["w"] + 1}
 
-    params = step({"w": torch.zeros(4, device="cuda")})
+    kept = step({"w": torch.zeros(4, device="cuda")})  # held, so its memory is not reused below
     replaced = {"w": torch.full((4,), 10.0, device="cuda")}
     with pytest.warns(sg.RetraceWarning, match=re.escape("donated input params['w'] is not the tensor")):
         out = step(replaced)
     assert torch.equal(out["w"], torch.full((4,), 11.0, device="cuda")), "never a stale result"
     assert step.last_compiled.executable.captures == 2
+    assert torch.equal(kept["w"], torch.ones(4, device="cuda"))
 
     strict = sg.static(lambda params: {"w": params["w"] + 1}, donate="params", retrace="error")
-    strict({"w": torch.zeros(4, device="cuda")})
+    held = strict({"w": torch.zeros(4, device="cuda")})
     with pytest.raises(sg.StaleBufferError, match=r"params\['w'\]"):
         strict({"w": torch.zeros(4, device="cuda")})
+    assert torch.equal(held["w"], torch.ones(4, device="cuda"))
 
 
 def test_cpu_tensor_inputs_are_refused_for_a_cuda_graph():
@@ -198,3 +200,38 @@ def test_a_host_copy_in_the_step_raises_at_trace_time():
     mod = HostSync()
     with pytest.raises(sg.CaptureError):
         sg.static(lambda x: mod(x))(torch.ones(2, device="cuda"))
+
+
+@torch.library.custom_op("sgraph_test::host_sync", mutates_args=())
+def host_sync(x: torch.Tensor) -> torch.Tensor:
+    torch.cuda.current_stream().synchronize()  # illegal while a stream is capturing
+    return x * 2
+
+
+@host_sync.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def syncing_step(x):
+    y = x + 1
+    return host_sync(y)
+
+
+def test_a_capture_failure_names_the_op_and_line():
+    step = sg.static(syncing_step)
+    with pytest.raises(
+        sg.CaptureError,
+        match=r"sgraph_test\.host_sync\.default .*test_static_gpu\.py:\d+ in syncing_step .*ran eagerly",
+    ):
+        step(torch.ones(4, device="cuda"))
+
+
+def test_a_capture_failure_falls_back_when_asked():
+    step = sg.static(syncing_step, fallback="eager")
+    with pytest.warns(sg.FallbackWarning, match="uncaptured"):
+        first = step(torch.ones(4, device="cuda"))
+    second = step(torch.full((4,), 2.0, device="cuda"))
+    assert torch.equal(first, torch.full((4,), 4.0, device="cuda"))
+    assert torch.equal(second, torch.full((4,), 6.0, device="cuda"))
+    assert step.last_compiled.executable.uncaptured

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, overload
 
 from . import tree
-from .errors import CaptureError, FallbackWarning, RetraceError, RetraceWarning
+from .errors import ArgumentError, ArgumentTypeError, CaptureError, FallbackWarning, RetraceError, RetraceWarning
 from .options import Fallback, Options, OutputMode, Retrace, StaticOptions, check_donate, check_literal
 from .signature import Signature, signature_of
 from .stages import Compiled, Counters, Lowered, Traced
@@ -196,10 +196,10 @@ def static(
 def _unwrap(f: Callable[..., Any]) -> tuple[Callable[..., Any], Options]:
     if isinstance(f, Transformed):
         if f.options.static is not None:
-            raise ValueError(f"{f.api}: sg.static is applied twice; apply it once.")
+            raise ArgumentError(f"{f.api}: sg.static is applied twice; apply it once.")
         return f.fn, f.options
     if not callable(f):
-        raise TypeError(f"sg.static: expected a function to transform; found {type(f).__name__}.")
+        raise ArgumentTypeError(f"sg.static: expected a function to transform; found {type(f).__name__}.")
     return f, Options()
 
 

@@ -33,9 +33,7 @@ __all__ = ["Source", "GuardMode", "SourceMode", "user_source", "no_host_sync", "
 
 SOURCE_KEY = "sgraph_source"
 _SKIP_DIRS = tuple(
-    os.path.dirname(m.__file__) + os.sep
-    for m in (torch, optree, sys.modules[__package__])
-    if m.__file__
+    os.path.dirname(m.__file__) + os.sep for m in (torch, optree, sys.modules[__package__]) if m.__file__
 ) + (os.path.dirname(contextlib.__file__) + os.sep + "contextlib.py",)
 
 

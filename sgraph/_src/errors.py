@@ -9,6 +9,9 @@ from __future__ import annotations
 
 __all__ = [
     "SgraphError",
+    "ArgumentError",
+    "ArgumentTypeError",
+    "UnsupportedError",
     "CaptureError",
     "RetraceError",
     "TreeStructureError",
@@ -22,6 +25,18 @@ __all__ = [
 
 class SgraphError(Exception):
     """Base class of every error sgraph raises on purpose."""
+
+
+class ArgumentError(SgraphError, ValueError):
+    """An argument has the right type but a wrong value (a shape, a key, a range)."""
+
+
+class ArgumentTypeError(SgraphError, TypeError):
+    """An argument has the wrong type."""
+
+
+class UnsupportedError(SgraphError, RuntimeError):
+    """A setup sgraph does not support yet (the message says which part and what to do)."""
 
 
 class CaptureError(SgraphError, RuntimeError):

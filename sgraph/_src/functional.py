@@ -29,23 +29,11 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from .errors import SgraphError, TreeStructureError
+from .errors import ArgumentError, ArgumentTypeError, TreeStructureError, UnsupportedError
 
-__all__ = ["functional", "Apply", "FunctionalError", "FunctionalTypeError", "FunctionalUnsupportedError"]
+__all__ = ["functional", "Apply", "ArgumentError", "ArgumentTypeError", "UnsupportedError"]
 
 Tensor = torch.Tensor
-
-
-class FunctionalError(SgraphError, ValueError):
-    """``apply`` got a tensor of the wrong shape, or the module broke a promise of ``sg.functional``."""
-
-
-class FunctionalTypeError(SgraphError, TypeError):
-    """``sg.functional`` or ``apply`` got an argument of the wrong type."""
-
-
-class FunctionalUnsupportedError(SgraphError, RuntimeError):
-    """The module uses a feature ``sg.functional`` cannot run purely (or this torch lacks an internal it needs)."""
 
 
 # --------------------------------------------------------------------------- public API
@@ -82,9 +70,9 @@ def functional(
         ``torch.autograd.grad``.
 
     Raises:
-        FunctionalTypeError: ``module`` is not an ``nn.Module``, or ``return_buffers``
+        ArgumentTypeError: ``module`` is not an ``nn.Module``, or ``return_buffers``
             is not a bool or None.
-        FunctionalUnsupportedError: FSDP1, FSDP2 mixed precision, or a torch whose
+        UnsupportedError: FSDP1, FSDP2 mixed precision, or a torch whose
             FSDP2 internals differ from what this module knows.
 
     Example:
@@ -133,7 +121,9 @@ class Apply:
     def __repr__(self) -> str:
         return f"<sg.functional apply of {type(self._module).__name__}, return_buffers={self.return_buffers}>"
 
-    def __call__(self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], /, *args: Any, **kwargs: Any) -> Any:
+    def __call__(
+        self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], /, *args: Any, **kwargs: Any
+    ) -> Any:
         """Run the module on ``params`` and ``buffers``; see :func:`functional`."""
         spec = self._spec
         _check_tensors(params, spec.param_shapes, arg="params", what="parameter")
@@ -172,21 +162,19 @@ class _Spec:
 
 def _check_arguments(module: Any, return_buffers: Any) -> None:
     if not isinstance(module, nn.Module):
-        raise FunctionalTypeError(
+        raise ArgumentTypeError(
             f"sg.functional: module must be a torch.nn.Module, found {type(module).__name__}. "
             "Pass the model object itself, e.g. sg.functional(model)."
         )
     if return_buffers is not None and not isinstance(return_buffers, bool):
-        raise FunctionalTypeError(
+        raise ArgumentTypeError(
             f"sg.functional: return_buffers must be True, False or None (automatic), found {return_buffers!r}."
         )
 
 
 def _norm_layers(module: nn.Module) -> tuple[tuple[str, _NormBase], ...]:
     """Every norm layer that keeps running statistics, with its name."""
-    return tuple(
-        (name, m) for name, m in module.named_modules() if isinstance(m, _NormBase) and m.track_running_stats
-    )
+    return tuple((name, m) for name, m in module.named_modules() if isinstance(m, _NormBase) and m.track_running_stats)
 
 
 def _tracks_running_stats(module: nn.Module) -> bool:
@@ -236,11 +224,11 @@ def _check_tensors(tree: Any, shapes: dict[str, torch.Size], *, arg: str, what: 
     for key, shape in shapes.items():
         value = tree[key]
         if not isinstance(value, torch.Tensor):
-            raise FunctionalTypeError(
+            raise ArgumentTypeError(
                 f"apply: {arg}[{key!r}] must be a torch.Tensor of shape {tuple(shape)}, found {type(value).__name__}."
             )
         if value.shape != shape:
-            raise FunctionalError(
+            raise ArgumentError(
                 f"apply: {arg}[{key!r}] has shape {tuple(value.shape)}, expected {tuple(shape)} "
                 f"(the shape of the module's {what} {key!r}). Pass a tensor of the module's shape."
             )
@@ -299,7 +287,7 @@ def _check_nothing_written(written: list[str], *, in_place: list[str]) -> None:
     if not written:
         return
     note = f" (the tensors passed as buffers {_quoted(in_place)} have been written too)" if in_place else ""
-    raise FunctionalError(
+    raise ArgumentError(
         f"apply: the module wrote buffer(s) {_quoted(written)} in forward{note}, but this apply was made "
         "with return_buffers=False, so the update would be lost. Use sg.functional(module, return_buffers=True) "
         "and take (out, new_buffers) from apply."
@@ -317,7 +305,7 @@ def _fsdp_states(module: nn.Module) -> tuple[Any, ...]:
     states: dict[int, Any] = {}
     for name, m in module.named_modules():
         if isinstance(m, fsdp.FullyShardedDataParallel):
-            raise FunctionalUnsupportedError(
+            raise UnsupportedError(
                 f"sg.functional: submodule {name or '<root>'!r} is wrapped by FSDP1 (FullyShardedDataParallel), "
                 "whose flat parameters cannot be passed in. Use FSDP2 (torch.distributed.fsdp.fully_shard)."
             )
@@ -337,7 +325,7 @@ def _check_sharded(m: nn.Module, prefix: str) -> None:
     for name, p in m.named_parameters():
         if not isinstance(p, DTensor):
             fqn = f"{prefix}.{name}" if prefix else name
-            raise FunctionalUnsupportedError(
+            raise UnsupportedError(
                 f"sg.functional: parameter {fqn!r} of an FSDP2 module is unsharded now (found a plain "
                 f"{type(p).__name__} of shape {tuple(p.shape)}, expected a sharded DTensor), as FSDP2 leaves it "
                 "after a forward without backward or after unshard(). Call model.reshard() first."
@@ -349,7 +337,7 @@ def _check_fsdp_state(state: Any) -> None:
     policy = _internal(state, "_mp_policy", where="FSDPState")
     dtypes = {f: getattr(policy, f, None) for f in ("param_dtype", "reduce_dtype", "output_dtype")}
     if any(d is not None for d in dtypes.values()):
-        raise FunctionalUnsupportedError(
+        raise UnsupportedError(
             f"sg.functional: an FSDP2 module has a MixedPrecisionPolicy ({dtypes}), which apply would ignore "
             "(it gathers the parameters itself, in their own dtype). Call fully_shard without mp_policy and "
             "cast the params dict yourself."
@@ -361,7 +349,7 @@ def _internal(obj: Any, attr: str, *, where: str) -> Any:
     try:
         return getattr(obj, attr)
     except AttributeError:
-        raise FunctionalUnsupportedError(
+        raise UnsupportedError(
             f"sg.functional: this torch ({torch.__version__}) has no FSDP2 internal {attr!r} on {where!r}; "
             "sg.functional knows torch 2.11 to 2.13. Pin one of those, or pass an unsharded module."
         ) from None

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from . import tree
+from .errors import ArgumentError, ArgumentTypeError
 
 __all__ = ["grad", "value_and_grad"]
 
@@ -68,7 +69,7 @@ def grad(fun: Callable[..., Any], /, *, argnums: ArgNums = 0, has_aux: bool = Fa
 def _check_argnums(fun: Callable[..., Any], argnums: ArgNums) -> tuple[int, ...]:
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     if not nums or not all(isinstance(n, int) and n >= 0 for n in nums):
-        raise ValueError(
+        raise ArgumentError(
             f"sg.grad({_name(fun)}): argnums must be a non-negative int or a non-empty tuple of them; "
             f"found {argnums!r}."
         )
@@ -84,7 +85,7 @@ def _value_and_grad(
     kwargs: dict[str, Any],
 ) -> tuple[Any, Any]:
     if max(nums) >= len(args):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"sg.grad({_name(fun)}): argnums={nums} but only {len(args)} positional arguments were "
             "passed; pass the differentiated arguments positionally."
         )
@@ -119,7 +120,7 @@ def _watch(leaf: Any, fun: Callable[..., Any], argnum: int, index: int, spec: tr
         return leaf
     if not (leaf.is_floating_point() or leaf.is_complex()):
         path = tree.paths(spec, prefix=f"args[{argnum}]")[index]
-        raise TypeError(
+        raise ArgumentTypeError(
             f"sg.grad({_name(fun)}): {path} has dtype {_dtype(leaf)}; gradients need floating-point "
             "leaves. Move integer tensors to an argument not listed in argnums."
         )
@@ -132,7 +133,7 @@ def _watch(leaf: Any, fun: Callable[..., Any], argnum: int, index: int, spec: tr
 def _split_aux(fun: Callable[..., Any], out: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"sg.grad({_name(fun)}, has_aux=True): the function must return (value, aux); "
                 f"found {type(out).__name__}."
             )
@@ -146,9 +147,8 @@ def _split_aux(fun: Callable[..., Any], out: Any, has_aux: bool) -> tuple[torch.
             else type(value).__name__
         )
         hint = " Pass has_aux=True to return (value, aux)." if isinstance(out, tuple) and not has_aux else ""
-        raise TypeError(
-            f"sg.grad({_name(fun)}): the function must return a floating-point scalar tensor; "
-            f"found {found}.{hint}"
+        raise ArgumentTypeError(
+            f"sg.grad({_name(fun)}): the function must return a floating-point scalar tensor; found {found}.{hint}"
         )
     return value, aux
 
@@ -179,4 +179,3 @@ def _detach(x: Any) -> Any:
 
 def _name(fun: Callable[..., Any]) -> str:
     return getattr(fun, "__qualname__", None) or type(fun).__name__
-

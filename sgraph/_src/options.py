@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
+from .errors import ArgumentError, ArgumentTypeError
+
 __all__ = ["Options", "StaticOptions", "Retrace", "Fallback", "OutputMode", "check_donate"]
 
 Retrace = Literal["warn", "error", "allow"]
@@ -46,7 +48,7 @@ def check_literal(api: str, name: str, value: Any, kind: Any) -> None:
     """Raise ``ValueError`` naming the option when ``value`` is not one of ``kind``'s values."""
     allowed = get_args(kind)
     if value not in allowed:
-        raise ValueError(f"{api}: {name}={value!r} is not one of {', '.join(repr(a) for a in allowed)}.")
+        raise ArgumentError(f"{api}: {name}={value!r} is not one of {', '.join(repr(a) for a in allowed)}.")
 
 
 def check_donate(api: str, fn: Callable[..., Any], donate: Any) -> tuple[str | int, ...]:
@@ -55,14 +57,14 @@ def check_donate(api: str, fn: Callable[..., Any], donate: Any) -> tuple[str | i
     params, var_kw = _parameters(fn)
     for item in items:
         if isinstance(item, bool) or not isinstance(item, (str, int)):
-            raise TypeError(f"{api}: donate entries are argument names or positions; found {item!r}.")
+            raise ArgumentTypeError(f"{api}: donate entries are argument names or positions; found {item!r}.")
         if isinstance(item, str) and params is not None and item not in params and not var_kw:
-            raise ValueError(
+            raise ArgumentError(
                 f"{api}: donate names {item!r}, which is not a parameter of {_name(fn)}; "
                 f"its parameters are {', '.join(params)}."
             )
         if isinstance(item, int) and item < 0:
-            raise ValueError(f"{api}: donate position {item} is negative; use positions from 0.")
+            raise ArgumentError(f"{api}: donate position {item} is negative; use positions from 0.")
     return tuple(items)
 
 

@@ -96,10 +96,7 @@ class Program:
         """Placeholder indices the graph writes into, directly or through a view."""
         index = {n: i for i, n in enumerate(self.graph.nodes) if n.op == "placeholder"}
         return {
-            index[root]
-            for node in self.graph.nodes
-            for arg in written_args(node)
-            if (root := alias_root(arg)) in index
+            index[root] for node in self.graph.nodes for arg in written_args(node) if (root := alias_root(arg)) in index
         }
 
     def ops(self) -> list[torch.fx.Node]:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from . import tree
+from .errors import ArgumentTypeError
 from .text import describe_tensor
 
 __all__ = ["Signature", "signature_of"]
@@ -52,13 +53,13 @@ def signature_of(leaves: list[Any], spec: tree.PyTreeSpec, paths: Sequence[str] 
     """
     plain = torch.Tensor
     # Plain tensors inline: this runs on every call, for every leaf.
-    keys = tuple([
-        ("tensor", t.shape, t.dtype, t.device, t.stride()) if type(t) is plain else _leaf_key(t) for t in leaves
-    ])
+    keys = tuple(
+        [("tensor", t.shape, t.dtype, t.device, t.stride()) if type(t) is plain else _leaf_key(t) for t in leaves]
+    )
     try:
         hash(keys)
     except TypeError:
-        raise TypeError(_unhashable(leaves, paths)) from None
+        raise ArgumentTypeError(_unhashable(leaves, paths)) from None
     return Signature(spec, keys)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from . import tree
+from .errors import ArgumentTypeError
 from .options import Options
 from .passes.pipeline import lower as run_passes
 from .program import Program
@@ -93,7 +94,12 @@ class Traced(_Stage):
     """
 
     def __init__(
-        self, program: Program, signature: Signature, layout: ArgLayout, options: Options, counters: Counters,
+        self,
+        program: Program,
+        signature: Signature,
+        layout: ArgLayout,
+        options: Options,
+        counters: Counters,
         seconds: float,
     ) -> None:
         self.program = program
@@ -148,7 +154,7 @@ class Compiled(_Stage):
         leaves, spec = tree.flatten((args, kwargs))
         signature = signature_of(leaves, spec, self._layout.paths)
         if signature != self._signature:
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{self.program.name}: this compiled step was made for other arguments: "
                 f"{signature.difference(self._signature, self._layout.paths)}. Call the transformed "
                 "function instead (it traces again for new signatures)."

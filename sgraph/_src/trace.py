@@ -108,7 +108,9 @@ def trace(
     """
     leaves, in_spec = tree.flatten((tuple(args), dict(kwargs)))
     inputs, tensors = _input_infos(leaves, layout.paths)
-    donated = frozenset(info.graph_index for i, info in enumerate(inputs) if i in layout.donated_leaves and info.is_tensor)
+    donated = frozenset(
+        info.graph_index for i, info in enumerate(inputs) if i in layout.donated_leaves and info.is_tensor
+    )
     flat_fn, result = _flat_step(fn, api, in_spec, leaves)
     with no_host_sync(api):
         autograd_graph = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)

@@ -132,7 +132,7 @@ def grads_are_sharded_and_averaged_over_ranks(rank: int, mesh) -> None:
     loss = apply(leaves, buffers, _local(x, rank)).square().mean()
     grads = torch.autograd.grad(loss, list(leaves.values()))
     reference(x).square().mean().backward()
-    for (k, g) in zip(leaves, grads):
+    for k, g in zip(leaves, grads):
         assert isinstance(g, DTensor) and g.placements == (Shard(0),), k
         torch.testing.assert_close(g.full_tensor(), reference.get_parameter(k).grad, rtol=1e-5, atol=1e-6)
     assert all(p.grad is None for p in model.parameters())

@@ -46,8 +46,19 @@ def adamw_(
     a 0-dim tensor; both may change between calls without recompiling."""
     steps = [step.to(torch.float32)] * len(params)
     torch._fused_adamw_(
-        params, grads, mu, nu, [], steps, lr=lr.to(params[0].device, torch.float32),
-        beta1=b1, beta2=b2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
+        params,
+        grads,
+        mu,
+        nu,
+        [],
+        steps,
+        lr=lr.to(params[0].device, torch.float32),
+        beta1=b1,
+        beta2=b2,
+        weight_decay=weight_decay,
+        eps=eps,
+        amsgrad=False,
+        maximize=False,
     )
 
 

@@ -16,19 +16,20 @@ wherever ``new_p`` is within a factor of two of ``p`` (the subtraction is exact)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 
 from .. import tree
+from ..kernels.adamw import adamw as fused_adamw
+from ..kernels.adamw import fusable
 from . import _checks, _scalars
 from ._base import GradientTransformation, PyTree, zeros_tree
 from ._scalars import Tensors
 from ._schedules import Schedule
-from ..kernels.adamw import adamw as fused_adamw
-from ..kernels.adamw import fusable
 
 __all__ = ["ScaleByAdamState", "adam", "adamw"]
+
 
 class ScaleByAdamState(NamedTuple):
     """State of :func:`adam` and :func:`adamw`.
@@ -102,19 +103,21 @@ def _fused(
     step folds ``p + (new_p - p)`` to ``new_p``).
     """
     lr_tensor = torch.as_tensor(lr, dtype=torch.float32, device=count.device)
-    out = fused_adamw(list(p), list(g), list(mu), list(nu), count + 1, lr_tensor, cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay)
+    out = fused_adamw(
+        list(p), list(g), list(mu), list(nu), count + 1, lr_tensor, cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay
+    )
     n = len(p)
     return torch._foreach_sub(out[:n], list(p)), out[n : 2 * n], out[2 * n :]
 
 
-def _decay_params(cfg: _Adam, grads: PyTree, params: Optional[PyTree]) -> Optional[Tensors]:
+def _decay_params(cfg: _Adam, grads: PyTree, params: PyTree | None) -> Tensors | None:
     if not cfg.weight_decay:
         return None
     return _checks.required_params(cfg.api, params, grads, reason=f"weight_decay={cfg.weight_decay}")
 
 
 def _update(
-    cfg: _Adam, grads: PyTree, state: ScaleByAdamState, params: Optional[PyTree]
+    cfg: _Adam, grads: PyTree, state: ScaleByAdamState, params: PyTree | None
 ) -> tuple[PyTree, ScaleByAdamState]:
     _checks.check_state(cfg.api, state, ScaleByAdamState)
     g = _checks.matching_leaves(cfg.api, state.mu, grads, name="grads")
@@ -122,7 +125,11 @@ def _update(
     if not g:
         return grads, state._replace(count=state.count + 1)
     lr = _scalars.learning_rate(cfg.lr, state.count)
-    p_all = p if p is not None else (None if params is None else _checks.matching_leaves(cfg.api, grads, params, name="params"))
+    p_all = (
+        p
+        if p is not None
+        else (None if params is None else _checks.matching_leaves(cfg.api, grads, params, name="params"))
+    )
     mu, nu = tree.leaves(state.mu), tree.leaves(state.nu)
     if p_all is not None and fusable([*p_all, *g, *mu, *nu]):
         updates, mu, nu = _fused(cfg, p_all, g, mu, nu, lr, state.count)
@@ -140,17 +147,13 @@ def _transform(cfg: _Adam) -> GradientTransformation:
     def init(params: PyTree, /) -> ScaleByAdamState:
         return _init(cfg, params)
 
-    def update(
-        grads: PyTree, state: ScaleByAdamState, params: Optional[PyTree] = None
-    ) -> tuple[PyTree, ScaleByAdamState]:
+    def update(grads: PyTree, state: ScaleByAdamState, params: PyTree | None = None) -> tuple[PyTree, ScaleByAdamState]:
         return _update(cfg, grads, state, params)
 
     return GradientTransformation(init, update)
 
 
-def adam(
-    lr: float | Schedule, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
-) -> GradientTransformation:
+def adam(lr: float | Schedule, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
     """Adam, as ``torch.optim.Adam`` (no weight decay, no amsgrad).
 
     Args:

@@ -7,11 +7,12 @@ pytrees of tensors, so they flatten like any other input of a traced step.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from .. import tree
+from ..errors import ArgumentTypeError
 
 __all__ = [
     "PyTree",
@@ -36,7 +37,7 @@ class InitFn(Protocol):
 class UpdateFn(Protocol):
     """``update(grads, state, params=None) -> (updates, new_state)``; pure."""
 
-    def __call__(self, grads: PyTree, state: Any, params: Optional[PyTree] = None) -> tuple[PyTree, Any]: ...
+    def __call__(self, grads: PyTree, state: Any, params: PyTree | None = None) -> tuple[PyTree, Any]: ...
 
 
 class GradientTransformation(NamedTuple):
@@ -75,7 +76,7 @@ def identity() -> GradientTransformation:
     def init(params: PyTree, /) -> EmptyState:
         return EmptyState()
 
-    def update(grads: PyTree, state: Any, params: Optional[PyTree] = None) -> tuple[PyTree, EmptyState]:
+    def update(grads: PyTree, state: Any, params: PyTree | None = None) -> tuple[PyTree, EmptyState]:
         return tree.map(torch.clone, grads), EmptyState()
 
     return GradientTransformation(init, update)
@@ -96,7 +97,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """
     for i, t in enumerate(transforms):
         if not isinstance(t, GradientTransformation):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"sg.optim.chain: argument {i} must be a GradientTransformation (such as "
                 f"sg.optim.adamw(1e-3)); found {type(t).__name__}. Pass the transforms themselves."
             )
@@ -104,7 +105,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def init(params: PyTree, /) -> tuple[Any, ...]:
         return tuple(t.init(params) for t in transforms)
 
-    def update(grads: PyTree, state: Any, params: Optional[PyTree] = None) -> tuple[PyTree, tuple[Any, ...]]:
+    def update(grads: PyTree, state: Any, params: PyTree | None = None) -> tuple[PyTree, tuple[Any, ...]]:
         _check_chain_state(state, len(transforms))
         new_state = []
         for t, s in zip(transforms, state):
@@ -118,7 +119,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 def _check_chain_state(state: Any, n: int) -> None:
     if type(state) is not tuple or len(state) != n:
         found = f"tuple of length {len(state)}" if type(state) is tuple else type(state).__name__
-        raise TypeError(
+        raise ArgumentTypeError(
             f"sg.optim.chain update: state must be the tuple of {n} states returned by init(params); "
             f"found {found}. Pass the state from this chain's init or its last update."
         )

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .. import tree
+from ..errors import ArgumentError, ArgumentTypeError
 
 __all__ = [
     "check_beta",
@@ -39,7 +40,7 @@ def _fail(api: str, name: str, allowed: str, value: object, fix: str) -> ValueEr
 def _real(api: str, name: str, value: object) -> float:
     """``value`` as a finite float, or a ``TypeError``/``ValueError`` naming it."""
     if not _is_real(value):
-        raise TypeError(f"{api}: {name} must be a Python float; found {type(value).__name__} {value!r}.")
+        raise ArgumentTypeError(f"{api}: {name} must be a Python float; found {type(value).__name__} {value!r}.")
     if not math.isfinite(value):  # type: ignore[arg-type]
         raise _fail(api, name, "finite", value, f"Pass a finite {name}.")
     return float(value)  # type: ignore[arg-type]
@@ -77,7 +78,7 @@ def check_positive(api: str, name: str, value: object) -> float:
 def check_steps(api: str, name: str, value: object, *, minimum: int) -> int:
     """Return ``value`` as an int ``>= minimum`` or raise naming ``api`` and ``name``."""
     if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{api}: {name} must be an int; found {type(value).__name__} {value!r}.")
+        raise ArgumentTypeError(f"{api}: {name} must be an int; found {type(value).__name__} {value!r}.")
     if value < minimum:
         raise _fail(api, name, f"an int >= {minimum}", value, f"Pass a step count of at least {minimum}.")
     return value
@@ -93,7 +94,7 @@ def check_learning_rate(api: str, lr: object) -> Any:
     if callable(lr):
         return lr
     if not _is_real(lr):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{api}: lr must be a float >= 0 or a Schedule (a callable count -> 0-dim tensor, "
             f"e.g. sg.optim.cosine(...)); found {type(lr).__name__}."
         )
@@ -106,7 +107,7 @@ def check_learning_rate(api: str, lr: object) -> Any:
 def check_state(api: str, state: object, cls: type) -> None:
     """Raise ``TypeError`` unless ``state`` is the ``cls`` that this transform's ``init`` returns."""
     if not isinstance(state, cls):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{api} update: state must be the {cls.__name__} returned by init(params) or by the "
             f"previous update; found {type(state).__name__}. Pass this optimizer's own state."
         )
@@ -119,7 +120,7 @@ def tensor_leaves(api: str, params: Any) -> tuple[list[torch.Tensor], tree.PyTre
         if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()):
             is_tensor = isinstance(leaf, torch.Tensor)
             found = f"tensor of dtype {leaf.dtype}" if is_tensor else type(leaf).__name__
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{api} init: {path} must be a floating-point tensor; found {found}. "
                 "Keep non-trainable values out of the params tree."
             )
@@ -140,8 +141,7 @@ def matching_leaves(api: str, expected: Any, found: Any, *, name: str) -> list[A
 def required_params(api: str, params: Any, grads: Any, *, reason: str) -> list[torch.Tensor]:
     """The leaves of ``params``, which this update needs; raise if they were not passed."""
     if params is None:
-        raise ValueError(
-            f"{api} update: params is None, but {reason} needs the current params. "
-            "Call update(grads, state, params)."
+        raise ArgumentError(
+            f"{api} update: params is None, but {reason} needs the current params. Call update(grads, state, params)."
         )
     return matching_leaves(api, grads, params, name="params")

@@ -9,7 +9,7 @@ no branch on the norm's value and no host sync.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -60,7 +60,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def init(params: PyTree, /) -> EmptyState:
         return EmptyState()
 
-    def update(grads: PyTree, state: Any, params: Optional[PyTree] = None) -> tuple[PyTree, EmptyState]:
+    def update(grads: PyTree, state: Any, params: PyTree | None = None) -> tuple[PyTree, EmptyState]:
         check_state(api, state, EmptyState)
         g, spec = tree.flatten(grads)
         if not g:

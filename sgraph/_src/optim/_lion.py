@@ -11,7 +11,7 @@ Both interpolations are computed with ``lerp`` (one rounding, one kernel each).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 
@@ -22,6 +22,7 @@ from ._scalars import Tensors
 from ._schedules import Schedule
 
 __all__ = ["LionState", "lion"]
+
 
 class LionState(NamedTuple):
     """State of :func:`lion`.
@@ -68,9 +69,7 @@ def _direction(cfg: _Lion, g: Tensors, mu: Tensors, p: Tensors) -> Tensors:
     return torch._foreach_add(direction, p, alpha=cfg.weight_decay)
 
 
-def _update(
-    cfg: _Lion, grads: PyTree, state: LionState, params: Optional[PyTree]
-) -> tuple[PyTree, LionState]:
+def _update(cfg: _Lion, grads: PyTree, state: LionState, params: PyTree | None) -> tuple[PyTree, LionState]:
     _checks.check_state(cfg.api, state, LionState)
     g = _checks.matching_leaves(cfg.api, state.mu, grads, name="grads")
     p: Tensors = []
@@ -112,7 +111,7 @@ def lion(
     def init(params: PyTree, /) -> LionState:
         return _init(cfg, params)
 
-    def update(grads: PyTree, state: LionState, params: Optional[PyTree] = None) -> tuple[PyTree, LionState]:
+    def update(grads: PyTree, state: LionState, params: PyTree | None = None) -> tuple[PyTree, LionState]:
         return _update(cfg, grads, state, params)
 
     return GradientTransformation(init, update)

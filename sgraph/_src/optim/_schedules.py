@@ -15,6 +15,7 @@ from typing import Protocol, Union
 
 import torch
 
+from ..errors import ArgumentError
 from ._checks import check_nonnegative, check_steps
 
 __all__ = ["Schedule", "Count", "constant", "linear", "linear_warmup", "cosine", "warmup_cosine"]
@@ -179,9 +180,7 @@ def cosine(init: float, decay_steps: int, *, alpha: float = 0.0) -> Schedule:
     )
 
 
-def warmup_cosine(
-    peak: float, warmup_steps: int, total_steps: int, *, init: float = 0.0, end: float = 0.0
-) -> Schedule:
+def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, *, init: float = 0.0, end: float = 0.0) -> Schedule:
     """Linear warmup from ``init`` to ``peak``, then a cosine down to ``end``.
 
     The value is ``init`` at count 0, ``peak`` at count ``warmup_steps``, ``end`` at
@@ -205,7 +204,7 @@ def warmup_cosine(
     total = check_steps(api, "total_steps", total_steps, minimum=1)
     warmup = check_steps(api, "warmup_steps", warmup_steps, minimum=0)
     if warmup > total:
-        raise ValueError(
+        raise ArgumentError(
             f"{api}: warmup_steps must be <= total_steps ({total}); found {warmup}. "
             "total_steps counts the warmup too: pass a larger total_steps or a shorter warmup."
         )

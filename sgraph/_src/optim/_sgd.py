@@ -14,17 +14,19 @@ the same first buffer exactly (``0 * momentum + g == g``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 
 from .. import tree
+from ..errors import ArgumentError
 from . import _checks, _scalars
 from ._base import GradientTransformation, PyTree, zeros_tree
 from ._scalars import Tensors
 from ._schedules import Schedule
 
 __all__ = ["SgdState", "sgd"]
+
 
 class SgdState(NamedTuple):
     """State of :func:`sgd`.
@@ -35,7 +37,7 @@ class SgdState(NamedTuple):
     """
 
     count: torch.Tensor  # type: ignore[assignment]  # shadows tuple.count, as in optax
-    momentum: Optional[PyTree]
+    momentum: PyTree | None
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ def _config(lr: Any, momentum: Any, nesterov: Any, weight_decay: Any) -> _Sgd:
         weight_decay=_checks.check_nonnegative(api, "weight_decay", weight_decay),
     )
     if cfg.nesterov and cfg.momentum == 0.0:
-        raise ValueError(
+        raise ArgumentError(
             f"{api}: nesterov=True needs momentum > 0; found momentum=0.0. "
             "Pass a momentum such as momentum=0.9, or nesterov=False."
         )
@@ -70,9 +72,7 @@ def _init(cfg: _Sgd, params: PyTree) -> SgdState:
     return SgdState(_scalars.init_count(leaves), buffers)
 
 
-def _checked_leaves(
-    cfg: _Sgd, grads: PyTree, state: SgdState, params: Optional[PyTree]
-) -> tuple[Tensors, Tensors]:
+def _checked_leaves(cfg: _Sgd, grads: PyTree, state: SgdState, params: PyTree | None) -> tuple[Tensors, Tensors]:
     """The grads' and (when weight decay needs them) the params' leaves, after structure checks."""
     _checks.check_state(cfg.api, state, SgdState)
     if cfg.momentum:
@@ -95,7 +95,7 @@ def _direction(cfg: _Sgd, g: Tensors, p: Tensors, buf: Tensors) -> tuple[Tensors
     return buf, buf
 
 
-def _update(cfg: _Sgd, grads: PyTree, state: SgdState, params: Optional[PyTree]) -> tuple[PyTree, SgdState]:
+def _update(cfg: _Sgd, grads: PyTree, state: SgdState, params: PyTree | None) -> tuple[PyTree, SgdState]:
     g, p = _checked_leaves(cfg, grads, state, params)
     if not g:
         return grads, state._replace(count=state.count + 1)
@@ -130,7 +130,7 @@ def sgd(
     def init(params: PyTree, /) -> SgdState:
         return _init(cfg, params)
 
-    def update(grads: PyTree, state: SgdState, params: Optional[PyTree] = None) -> tuple[PyTree, SgdState]:
+    def update(grads: PyTree, state: SgdState, params: PyTree | None = None) -> tuple[PyTree, SgdState]:
         return _update(cfg, grads, state, params)
 
     return GradientTransformation(init, update)

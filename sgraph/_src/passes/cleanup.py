@@ -34,4 +34,3 @@ def cleanup(program: Program) -> Program:
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return program.replace(graph_module=gm, passes=program.passes + ("cleanup",))
-

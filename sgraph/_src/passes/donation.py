@@ -70,7 +70,9 @@ def _warn_unused(program: Program, index: int) -> None:
     )
 
 
-def _clone_views_of_donated(gm: torch.fx.GraphModule, returned: list, placeholders: list, donated: frozenset[int]) -> None:
+def _clone_views_of_donated(
+    gm: torch.fx.GraphModule, returned: list, placeholders: list, donated: frozenset[int]
+) -> None:
     targets = {placeholders[i] for i in donated}
     for i, node in enumerate(returned):
         if not isinstance(node, torch.fx.Node) or node in placeholders:
@@ -80,4 +82,3 @@ def _clone_views_of_donated(gm: torch.fx.GraphModule, returned: list, placeholde
                 clone = gm.graph.call_function(torch.ops.aten.clone.default, (node,))
             clone.meta = dict(node.meta)
             returned[i] = clone
-

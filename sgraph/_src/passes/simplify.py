@@ -70,4 +70,6 @@ def _fold_list(add: Node) -> None:
 
 def _same_meta(a: Node, b: object) -> bool:
     va, vb = a.meta.get("val"), getattr(b, "meta", {}).get("val")
-    return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dtype == vb.dtype and va.shape == vb.shape
+    return (
+        isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dtype == vb.dtype and va.shape == vb.shape
+    )

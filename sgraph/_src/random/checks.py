@@ -14,6 +14,8 @@ from typing import TypeGuard
 import torch
 from torch import Tensor
 
+from ..errors import ArgumentError, ArgumentTypeError
+
 __all__ = [
     "Shape",
     "describe",
@@ -52,7 +54,7 @@ def check_key(api: str, key: object) -> Tensor:
     fix = "make one with sg.random.key(seed)"
     if isinstance(key, Tensor) and key.ndim == 2 and key.shape[-1] == 2:
         fix = "index the result of split to get one key, e.g. keys[0]"
-    raise TypeError(
+    raise ArgumentTypeError(
         f"sg.random.{api}: key must be an int64 tensor of shape (2,) made by "
         f"sg.random.key or split; found {describe(key)}; {fix}"
     )
@@ -63,7 +65,7 @@ def check_shape(api: str, shape: object) -> tuple[int, ...]:
     dims = (shape,) if is_int(shape) else shape
     if isinstance(dims, Sequence) and all(is_int(d) and d >= 0 for d in dims):
         return tuple(dims)
-    raise TypeError(
+    raise ArgumentTypeError(
         f"sg.random.{api}: shape must be an int or a sequence of non-negative ints; "
         f"found {describe(shape)}; pass e.g. (4, 3)"
     )
@@ -73,7 +75,7 @@ def check_float_dtype(api: str, dtype: object) -> torch.dtype:
     """Return ``dtype`` if it is a floating torch.dtype, else raise TypeError."""
     if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
         return dtype
-    raise TypeError(
+    raise ArgumentTypeError(
         f"sg.random.{api}: dtype must be a floating torch.dtype; found {dtype!r}; "
         "pass e.g. torch.float32 or torch.bfloat16"
     )
@@ -83,24 +85,20 @@ def check_probability(api: str, p: object) -> float:
     """Return ``p`` as a float if it is a number in [0, 1], else raise ValueError."""
     if _is_number(p) and 0.0 <= p <= 1.0:
         return float(p)
-    raise ValueError(
-        f"sg.random.{api}: p must be a probability, a number in [0, 1]; "
-        f"found {describe(p)}; pass e.g. p=0.1"
+    raise ArgumentError(
+        f"sg.random.{api}: p must be a probability, a number in [0, 1]; found {describe(p)}; pass e.g. p=0.1"
     )
 
 
 def check_probability_tensor(api: str, p: Tensor, shape: tuple[int, ...]) -> Tensor:
     """Return ``p`` if it is a floating tensor that broadcasts to ``shape``."""
     if not p.dtype.is_floating_point:
-        raise TypeError(
-            f"sg.random.{api}: a tensor p must be floating; found {describe(p)}; "
-            "cast it with p.float()"
+        raise ArgumentTypeError(
+            f"sg.random.{api}: a tensor p must be floating; found {describe(p)}; cast it with p.float()"
         )
-    fits = p.ndim <= len(shape) and all(
-        s in (1, t) for s, t in zip(reversed(p.shape), reversed(shape))
-    )
+    fits = p.ndim <= len(shape) and all(s in (1, t) for s, t in zip(reversed(p.shape), reversed(shape)))
     if not fits:
-        raise ValueError(
+        raise ArgumentError(
             f"sg.random.{api}: p of shape {tuple(p.shape)} must broadcast to shape "
             f"{shape}; reshape p or pass a shape that p broadcasts to"
         )
@@ -112,7 +110,7 @@ def check_bounds(api: str, minval: object, maxval: object) -> tuple[float, float
     ok = _is_number(minval) and _is_number(maxval)
     if ok and math.isfinite(minval) and math.isfinite(maxval) and minval < maxval:
         return float(minval), float(maxval)
-    raise ValueError(
+    raise ArgumentError(
         f"sg.random.{api}: minval and maxval must be finite numbers with minval < maxval; "
         f"found minval={minval!r}, maxval={maxval!r}; pass e.g. minval=-1.0, maxval=1.0"
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..errors import ArgumentError, ArgumentTypeError
 from .checks import check_key, describe, is_int
 from .threefry import FOLD_TAG, MASK, SPLIT_TAG, Word, threefry2x32
 
@@ -29,7 +30,7 @@ def key(seed: int, *, device: torch.device | str | None = None) -> Tensor:
         >>> x = sg.random.normal(k, (3,))
     """
     if not is_int(seed) or not -(2**63) <= seed <= _U64:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"sg.random.key: seed must be an int in [-2**63, 2**64); found {describe(seed)}; "
             "pass a Python int, or derive keys from a tensor with sg.random.fold_in"
         )
@@ -54,9 +55,7 @@ def split(key: Tensor, num: int = 2) -> Tensor:
     """
     key = check_key("split", key)
     if not is_int(num) or num < 1:
-        raise ValueError(
-            f"sg.random.split: num must be an int >= 1; found {describe(num)}; pass e.g. num=2"
-        )
+        raise ArgumentError(f"sg.random.split: num must be an int >= 1; found {describe(num)}; pass e.g. num=2")
     index = torch.arange(num, dtype=torch.int64, device=key.device)
     return torch.stack(threefry2x32(key[0], key[1], SPLIT_TAG, index), dim=-1)
 
@@ -68,7 +67,7 @@ def _data_words(data: object, device: torch.device) -> tuple[Word, Word]:
     if isinstance(data, Tensor) and data.ndim == 0 and _is_integer_dtype(data.dtype):
         data = data.to(device=device, dtype=torch.int64)
         return (data >> 32) & MASK, data & MASK  # two's complement, as for ints
-    raise TypeError(
+    raise ArgumentTypeError(
         "sg.random.fold_in: data must be an int in [-2**63, 2**64) or a 0-d integer "
         f"tensor; found {describe(data)}; pass e.g. the step counter"
     )

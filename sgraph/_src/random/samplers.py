@@ -12,6 +12,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..errors import ArgumentError, ArgumentTypeError
 from .checks import (
     Shape,
     check_bounds,
@@ -188,12 +189,11 @@ def dropout(key: Tensor, x: Tensor, p: float, *, training: bool = True) -> Tenso
     key = check_key("dropout", key)
     rate = check_probability("dropout", p)
     if not isinstance(x, Tensor) or not x.dtype.is_floating_point:
-        raise TypeError(
-            f"sg.random.dropout: x must be a floating tensor; found {describe(x)}; "
-            "cast it with x.float()"
+        raise ArgumentTypeError(
+            f"sg.random.dropout: x must be a floating tensor; found {describe(x)}; cast it with x.float()"
         )
     if x.device != key.device:
-        raise ValueError(
+        raise ArgumentError(
             f"sg.random.dropout: key and x must be on one device; found key on {key.device} "
             f"and x on {x.device}; make the key with sg.random.key(seed, device=x.device)"
         )

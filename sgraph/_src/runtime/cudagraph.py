@@ -26,13 +26,14 @@ from typing import Any
 import torch
 
 from ..capture import SOURCE_KEY
-from ..errors import CaptureError, RetraceWarning, StaleBufferError
+from ..errors import CaptureError, FallbackWarning, RetraceWarning, StaleBufferError
 from ..options import StaticOptions
 from ..program import Program
 from .eager import write_back
 from .graph_nodes import count_kernels, new_graph
 
 __all__ = ["CudaGraphExecutable"]
+
 
 class CudaGraphExecutable:
     """One CUDA graph for a Program; see the module docstring for buffer rules."""
@@ -52,11 +53,14 @@ class CudaGraphExecutable:
         count = sum(leaf.is_tensor for leaf in program.outputs)
         self.copied_outputs = [] if options.outputs == "view" else [i for i in range(count) if i not in kept]
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.uncaptured = False
         self.captures = 0
         self.kernel_launches: int | None = None
         self.capture_seconds: float | None = None
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if self.uncaptured:
+            return self._run_eagerly(inputs, torch.cuda.current_stream())
         if self.graph is None or self._donated_moved(inputs):
             return self._run_then_capture(inputs)
         if self.static_inputs:
@@ -83,8 +87,7 @@ class CudaGraphExecutable:
         )
         if self.options.retrace == "error":
             raise StaleBufferError(
-                message + ". Pass back the tensors the step returned, or allow a new capture with "
-                "retrace='warn'."
+                message + ". Pass back the tensors the step returned, or allow a new capture with retrace='warn'."
             )
         if self.options.retrace == "warn":
             warnings.warn(
@@ -102,19 +105,39 @@ class CudaGraphExecutable:
         self.graph = None
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), torch.cuda.stream(stream):
-            results = list(self.graph_module(*inputs))
-            write_back(inputs, results, self.aliases)
-            results = self._outputs_of_eager_run(inputs, results)
-        self._capture(inputs, stream)
-        torch.cuda.current_stream().wait_stream(stream)
+        results = self._run_eagerly(inputs, stream)
+        try:
+            self._capture(inputs, stream)
+        except CaptureError as error:
+            self._give_up_capturing(error)
+        finally:
+            torch.cuda.current_stream().wait_stream(stream)
         self.capture_seconds = time.perf_counter() - start
         return results
 
-    def _outputs_of_eager_run(self, inputs: Sequence[torch.Tensor], results: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _run_eagerly(self, inputs: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> list[torch.Tensor]:
+        with torch.no_grad(), torch.cuda.stream(stream):
+            results = list(self.graph_module(*inputs))
+            write_back(inputs, results, self.aliases)
         for i, p in self.placeholder_outputs.items():
             results[i] = inputs[p]
         return results
+
+    def _give_up_capturing(self, error: CaptureError) -> None:
+        """Raise, or under ``fallback="eager"`` warn once and run uncaptured from now on.
+
+        Either way this call's step already ran (eagerly, before the capture), so the
+        donated inputs hold its results; the message says so.
+        """
+        note = " This call's step ran eagerly before the capture, so donated inputs hold its results."
+        if self.options.fallback != "eager":
+            raise CaptureError(str(error) + note) from error
+        self.uncaptured = True
+        warnings.warn(
+            f"{error} Running this step uncaptured from now on (fallback='eager').",
+            FallbackWarning,
+            stacklevel=5,
+        )
 
     def _capture(self, inputs: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None:
         donated = set(self.donated)
@@ -181,9 +204,4 @@ def _placeholder_outputs(program: Program) -> dict[int, int]:
     placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
     returned = next(n for n in program.graph.nodes if n.op == "output").args[0]
     aliased = {o for o, _ in program.aliases}
-    return {
-        i: placeholders.index(node)
-        for i, node in enumerate(returned)
-        if node in placeholders and i not in aliased
-    }
-
+    return {i: placeholders.index(node) for i, node in enumerate(returned) if node in placeholders and i not in aliased}
