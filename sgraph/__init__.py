@@ -7,6 +7,8 @@ Write one pure train step over pytrees of tensors; ``sg.static`` captures it who
 from . import optim, random, tree
 from ._src.api import Transformed, static
 from ._src.errors import (
+    ArgumentError,
+    ArgumentTypeError,
     CaptureError,
     DonationWarning,
     FallbackWarning,
@@ -16,12 +18,16 @@ from ._src.errors import (
     SgraphWarning,
     StaleBufferError,
     TreeStructureError,
+    UnsupportedError,
 )
 from ._src.functional import functional
 from ._src.grad import grad, value_and_grad
 from ._src.stages import Compiled, CompiledStats, Lowered, Traced
 
 __all__ = [
+    "ArgumentError",
+    "ArgumentTypeError",
+    "UnsupportedError",
     "CaptureError",
     "Compiled",
     "CompiledStats",
