@@ -1,47 +1,4 @@
 """Optax-like pure optimizers and schedules (see :mod:`sgraph._src.optim`)."""
 
-from ._src.optim import (
-    EmptyState,
-    GradientTransformation,
-    LionState,
-    ScaleByAdamState,
-    Schedule,
-    SgdState,
-    adam,
-    adamw,
-    apply_updates,
-    chain,
-    clip_by_global_norm,
-    constant,
-    cosine,
-    global_norm,
-    identity,
-    linear,
-    linear_warmup,
-    lion,
-    sgd,
-    warmup_cosine,
-)
-
-__all__ = [
-    "EmptyState",
-    "GradientTransformation",
-    "LionState",
-    "ScaleByAdamState",
-    "Schedule",
-    "SgdState",
-    "adam",
-    "adamw",
-    "apply_updates",
-    "chain",
-    "clip_by_global_norm",
-    "constant",
-    "cosine",
-    "global_norm",
-    "identity",
-    "linear",
-    "linear_warmup",
-    "lion",
-    "sgd",
-    "warmup_cosine",
-]
+from ._src.optim import *  # noqa: F403  (the public names are the private package's __all__)
+from ._src.optim import __all__ as __all__

@@ -19,7 +19,8 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from types import FrameType
+from typing import Any, cast
 
 import optree
 import torch
@@ -67,7 +68,7 @@ class Source:
 
 def user_source() -> Source | None:
     """The innermost frame of the caller's stack that is not torch's, optree's or sgraph's."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
         if not name.startswith(_SKIP_DIRS) and not name.startswith("<frozen"):
@@ -204,7 +205,8 @@ class SourceMode(TorchDispatchMode):
             return self.context()
         autograd_node = torch._C._current_autograd_node()
         if autograd_node is not None:
-            tagged = autograd_node.metadata.get(SOURCE_KEY)
+            # The stubs declare ``metadata`` a method; at runtime it is a dict property.
+            tagged = cast("dict[str, Any]", autograd_node.metadata).get(SOURCE_KEY)
             if tagged is not None:
                 self.last_backward = tagged.as_backward()
             return self.last_backward or user_source()

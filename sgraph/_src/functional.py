@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 import sys
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -205,7 +205,7 @@ def _norm_written(
     for keys in norm_buffers:
         counter = next((k for k in keys if k.rsplit(".", 1)[-1] == "num_batches_tracked"), None)
         before = versions[counter] if counter is not None else None
-        if before is None or _version(run_buffers[counter]) != before:
+        if before is None or _version(run_buffers[cast(str, counter)]) != before:
             written.update(keys)
     return frozenset(written)
 

@@ -81,7 +81,7 @@ def _value_and_grad(
     nums: tuple[int, ...],
     single: bool,
     has_aux: bool,
-    args: tuple[Any, ...],
+    args: Sequence[Any],
     kwargs: dict[str, Any],
 ) -> tuple[Any, Any]:
     if max(nums) >= len(args):
@@ -158,6 +158,7 @@ def _autograd(value: torch.Tensor, inputs: list[Any], create_graph: bool) -> lis
     grads: list[Any] = [None] * len(inputs)
     if not tensors:
         return grads
+    found: Sequence[torch.Tensor]
     if not value.requires_grad:
         found = [torch.zeros_like(x) for _, x in tensors]
     else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -171,7 +171,7 @@ def _output_lines(program: Program) -> list[str]:
     for leaf in program.outputs:
         if leaf.is_tensor:
             node = returned[leaf.graph_index]
-            into = aliased.get(leaf.graph_index)
+            into = aliased.get(cast(int, leaf.graph_index))
             note = f"  (written into donated input {program.tensor_inputs[into].path})" if into is not None else ""
             name = f"%{node.name}" if isinstance(node, torch.fx.Node) else repr(node)
             lines.append(f"    {leaf.path or '<result>'} = {name}: {leaf.describe()}{note}")
@@ -192,7 +192,7 @@ def alias_root(node: torch.fx.Node) -> torch.fx.Node:
         returns, first = target._schema.returns, target._schema.arguments[0]
         if not returns or returns[0].alias_info is None or first.alias_info is None:
             break
-        node = node.args[0]
+        node = cast(torch.fx.Node, node.args[0])
     return node
 
 

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from . import tree
 from .errors import ArgumentTypeError
 from .text import describe_tensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["Signature", "signature_of"]
 
@@ -76,7 +79,7 @@ def _placements(leaf: torch.Tensor) -> Any:
     spec = getattr(leaf, "_spec", None)
     if spec is None or not hasattr(spec, "placements"):
         return None
-    return (spec.mesh, tuple(spec.placements), leaf.to_local().stride())
+    return (spec.mesh, tuple(spec.placements), cast("DTensor", leaf).to_local().stride())
 
 
 def _describe(key: Any, strides: bool) -> str:

@@ -10,7 +10,7 @@ import html
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -165,7 +165,7 @@ class Compiled(_Stage):
         """Run on already-flattened, already-checked arguments."""
         outputs = self.executable([leaves[i] for i in self._positions])
         self.calls += 1
-        result = [outputs[o.graph_index] if o.is_tensor else o.value for o in self.program.outputs]
+        result = [outputs[cast(int, o.graph_index)] if o.is_tensor else o.value for o in self.program.outputs]
         return tree.unflatten(self.program.out_spec, result)
 
     @property

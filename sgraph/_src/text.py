@@ -13,7 +13,7 @@ def describe_tensor(dtype: torch.dtype | None, shape: tuple[int, ...], device: t
     return text if device is None or device.type == "cpu" else f"{text}@{device}"
 
 
-_DTYPE_SHORT = {
+_DTYPE_SHORT: dict[torch.dtype | None, str] = {
     torch.float32: "f32",
     torch.float64: "f64",
     torch.float16: "f16",

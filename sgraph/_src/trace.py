@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -109,7 +109,7 @@ def trace(
     leaves, in_spec = tree.flatten((tuple(args), dict(kwargs)))
     inputs, tensors = _input_infos(leaves, layout.paths)
     donated = frozenset(
-        info.graph_index for i, info in enumerate(inputs) if i in layout.donated_leaves and info.is_tensor
+        cast(int, info.graph_index) for i, info in enumerate(inputs) if i in layout.donated_leaves and info.is_tensor
     )
     flat_fn, result = _flat_step(fn, api, in_spec, leaves)
     with no_host_sync(api):
@@ -130,7 +130,8 @@ def trace(
 
 
 def _input_infos(leaves: list[Any], paths: Sequence[str]) -> tuple[list[LeafInfo], list[torch.Tensor]]:
-    infos, tensors = [], []
+    infos: list[LeafInfo] = []
+    tensors: list[torch.Tensor] = []
     for leaf, path in zip(leaves, paths):
         if isinstance(leaf, torch.Tensor):
             infos.append(LeafInfo(path, len(tensors), tuple(leaf.shape), leaf.dtype, leaf.device))

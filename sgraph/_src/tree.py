@@ -118,7 +118,8 @@ def register_node(
     Returns:
         ``cls``, so this can decorate a class factory.
     """
-    optree.register_pytree_node(cls, flatten_fn, unflatten_fn, namespace=NAMESPACE)
+    # optree's stubs require a Collection class; at runtime any class registers.
+    optree.register_pytree_node(cls, flatten_fn, unflatten_fn, namespace=NAMESPACE)  # type: ignore[arg-type]
     return cls
 
 

@@ -130,7 +130,8 @@ def _update(
         if p is not None
         else (None if params is None else _checks.matching_leaves(cfg.api, grads, params, name="params"))
     )
-    mu, nu = tree.leaves(state.mu), tree.leaves(state.nu)
+    mu: Tensors = tree.leaves(state.mu)
+    nu: Tensors = tree.leaves(state.nu)
     if p_all is not None and fusable([*p_all, *g, *mu, *nu]):
         updates, mu, nu = _fused(cfg, p_all, g, mu, nu, lr, state.count)
     else:

@@ -1,7 +1,8 @@
 """Argument checks shared by the optimizers and schedules.
 
-Construction-time checks raise ``ValueError``/``TypeError`` naming the function,
-the argument, what is allowed and what was found. Update-time checks compare the
+Construction-time checks raise ``sg.ArgumentError`` / ``sg.ArgumentTypeError`` (a
+``ValueError`` / ``TypeError``) naming the function, the argument, what is allowed and
+what was found. Update-time checks compare the
 trees a caller passes with the state that ``init`` built, so a mismatch names the
 first differing path instead of failing inside a foreach kernel.
 """
@@ -33,8 +34,8 @@ def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _fail(api: str, name: str, allowed: str, value: object, fix: str) -> ValueError:
-    return ValueError(f"{api}: {name} must be {allowed}; found {value!r}. {fix}")
+def _fail(api: str, name: str, allowed: str, value: object, fix: str) -> ArgumentError:
+    return ArgumentError(f"{api}: {name} must be {allowed}; found {value!r}. {fix}")
 
 
 def _real(api: str, name: str, value: object) -> float:

@@ -15,6 +15,8 @@ pass runs last, and only for runtimes that execute the graph as it is.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.fx
@@ -97,7 +99,7 @@ def _selves(op: Node) -> list[Node]:
     """The tensors the in-place form writes, in the order the op returns their new values."""
     if op.target in INPLACE_FORMS:
         return written_lists(op.args)
-    return list(op.args[0]) if _returns_list(op) else [op.args[0]]
+    return list(cast("Sequence[Node]", op.args[0])) if _returns_list(op) else [cast(Node, op.args[0])]
 
 
 def _results(op: Node, count: int) -> list[Node | None] | None:
@@ -106,9 +108,9 @@ def _results(op: Node, count: int) -> list[Node | None] | None:
         return [op]
     results: list[Node | None] = [None] * count
     for user in op.users:
-        if user.target is not operator.getitem or user.args[1] >= count:
+        if user.target is not operator.getitem or cast(int, user.args[1]) >= count:
             return None
-        results[user.args[1]] = user
+        results[cast(int, user.args[1])] = user
     return results
 
 
@@ -165,7 +167,9 @@ def _same_layout(a: Node, b: Node) -> bool:
 
 
 def _returns_list(op: Node) -> bool:
-    return op.target in INPLACE_FORMS or op.target._schema.name.startswith("aten::_foreach_")
+    return op.target in INPLACE_FORMS or cast(torch._ops.OpOverload, op.target)._schema.name.startswith(
+        "aten::_foreach_"
+    )
 
 
 def _inplace_variant(target: object) -> torch._ops.OpOverload | None:

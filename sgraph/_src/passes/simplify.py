@@ -10,6 +10,8 @@ parameter, for the foreach (list) and the single-tensor forms alike.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -49,23 +51,27 @@ def _fold_single(add: Node) -> None:
         and len(diff.users) == 1
         and _same_meta(add, diff.args[0])
     ):
-        add.replace_all_uses_with(diff.args[0])
+        add.replace_all_uses_with(cast(Node, diff.args[0]))
 
 
 def _fold_list(add: Node) -> None:
-    params, diffs = add.args
+    params, diffs = cast("tuple[Sequence[Node], Sequence[Node]]", add.args)
     subs = {d.args[0] for d in diffs if isinstance(d, Node) and d.target is operator.getitem}
     if len(subs) != 1 or len(diffs) != len(params):
         return
-    sub = subs.pop()
-    if sub.target is not aten._foreach_sub.List or sub.kwargs or list(sub.args[1]) != list(params):
+    sub = cast(Node, subs.pop())
+    if (
+        sub.target is not aten._foreach_sub.List
+        or sub.kwargs
+        or list(cast("Sequence[Node]", sub.args[1])) != list(params)
+    ):
         return
     if any(d.target is not operator.getitem or d.args[1] != k or len(d.users) != 1 for k, d in enumerate(diffs)):
         return
-    news = sub.args[0]
+    news = cast("Sequence[Node]", sub.args[0])
     for user in list(add.users):
-        if user.target is operator.getitem and _same_meta(user, news[user.args[1]]):
-            user.replace_all_uses_with(news[user.args[1]])
+        if user.target is operator.getitem and _same_meta(user, news[cast(int, user.args[1])]):
+            user.replace_all_uses_with(news[cast(int, user.args[1])])
 
 
 def _same_meta(a: Node, b: object) -> bool:

@@ -107,8 +107,13 @@ def check_probability_tensor(api: str, p: Tensor, shape: tuple[int, ...]) -> Ten
 
 def check_bounds(api: str, minval: object, maxval: object) -> tuple[float, float]:
     """Return finite ``minval < maxval`` as floats, else raise ValueError."""
-    ok = _is_number(minval) and _is_number(maxval)
-    if ok and math.isfinite(minval) and math.isfinite(maxval) and minval < maxval:
+    if (
+        _is_number(minval)
+        and _is_number(maxval)
+        and math.isfinite(minval)
+        and math.isfinite(maxval)
+        and minval < maxval
+    ):
         return float(minval), float(maxval)
     raise ArgumentError(
         f"sg.random.{api}: minval and maxval must be finite numbers with minval < maxval; "
