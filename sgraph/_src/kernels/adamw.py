@@ -18,9 +18,9 @@ _DTYPES = (torch.float32,)
 
 
 def fusable(tensors: list[Tensor]) -> bool:
-    """Whether the fused path suits these leaves: plain float32 tensors on one CPU or
-    CUDA device. Low-precision params keep the foreach path, whose update is computed
-    in float32 before it is rounded once; DTensors keep it too."""
+    """Whether the fused path suits these leaves: float32 tensors on one CPU or CUDA
+    device. Low-precision params keep the foreach path: an update returned as
+    ``new_p - p`` in bf16 would lose what the fused kernel gained. DTensors keep it too."""
     if not tensors:
         return False
     device = tensors[0].device

@@ -8,9 +8,12 @@ Per leaf, for update number ``t = count + 1`` (PyTorch's single-tensor path):
     new_p = p * (1 - lr * weight_decay)                 # adamw only
     new_p = new_p + (-(lr / (1 - b1**t)) * mu) / denom
 
-and the update is ``new_p - p``. In eager mode ``p + update`` is then PyTorch's
-result bit for bit for Adam (the tests see 0 difference on CPU), and for AdamW
-wherever ``new_p`` is within a factor of two of ``p`` (the subtraction is exact).
+and the update is ``new_p - p``, so ``p + update`` equals ``new_p`` wherever ``new_p``
+is within a factor of two of ``p`` (the subtraction is exact). Float32 leaves on one
+CPU or CUDA device compute ``new_p`` with ATen's fused multi-tensor AdamW kernel
+(``sgraph::adamw``), other leaves with the foreach ops above; both stay within the
+tolerances ``tests/test_optim.py`` checks against ``torch.optim`` (1e-6 relative after
+100 steps in fp32).
 """
 
 from __future__ import annotations
