@@ -93,7 +93,7 @@ class CudaGraphExecutable:
             warnings.warn(
                 message + "; capturing again. Pass back the tensors the step returned to avoid it.",
                 RetraceWarning,
-                stacklevel=4,
+                stacklevel=5,
             )
         return True
 
@@ -136,7 +136,7 @@ class CudaGraphExecutable:
         warnings.warn(
             f"{error} Running this step uncaptured from now on (fallback='eager').",
             FallbackWarning,
-            stacklevel=5,
+            stacklevel=7,
         )
 
     def _capture(self, inputs: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None:
