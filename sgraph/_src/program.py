@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -20,7 +21,7 @@ from .capture import SOURCE_KEY, Source
 from .text import describe_tensor
 from .tree import PyTreeSpec
 
-__all__ = ["LeafInfo", "Program", "alias_root", "written_args"]
+__all__ = ["LeafInfo", "Program", "alias_root", "output_node", "placeholders", "returned", "written_args"]
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ class Program:
 
     def written_inputs(self) -> set[int]:
         """Placeholder indices the graph writes into, directly or through a view."""
-        index = {n: i for i, n in enumerate(self.graph.nodes) if n.op == "placeholder"}
+        index = {n: i for i, n in enumerate(placeholders(self.graph))}
         return {
             index[root] for node in self.graph.nodes for arg in written_args(node) if (root := alias_root(arg)) in index
         }
@@ -109,14 +110,13 @@ class Program:
 
 
 def _listing(program: Program) -> str:
-    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
     tensor_inputs = program.tensor_inputs
     lines = [
         f"{program.name}: {len(program.ops())} ops, {len(tensor_inputs)} tensor inputs, "
         f"{sum(o.is_tensor for o in program.outputs)} tensor outputs"
         + (f"  [passes: {', '.join(program.passes)}]" if program.passes else "")
     ]
-    for node, leaf in zip(placeholders, tensor_inputs):
+    for node, leaf in zip(placeholders(program.graph), tensor_inputs):
         donated = "  (donated)" if leaf.graph_index in program.donated else ""
         lines.append(f"  %{node.name}: {leaf.describe()}  <- {leaf.path}{donated}")
     width = 0
@@ -164,13 +164,12 @@ def _meta(node: torch.fx.Node) -> str:
 
 
 def _output_lines(program: Program) -> list[str]:
-    out_node = next(n for n in program.graph.nodes if n.op == "output")
-    returned = out_node.args[0]
+    values = returned(program.graph)
     aliased = dict(program.aliases)
     lines = ["  return"]
     for leaf in program.outputs:
         if leaf.is_tensor:
-            node = returned[leaf.graph_index]
+            node = values[cast(int, leaf.graph_index)]
             into = aliased.get(cast(int, leaf.graph_index))
             note = f"  (written into donated input {program.tensor_inputs[into].path})" if into is not None else ""
             name = f"%{node.name}" if isinstance(node, torch.fx.Node) else repr(node)
@@ -208,3 +207,18 @@ def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
         values = value if isinstance(value, (list, tuple)) else [value]
         found += [v for v in values if isinstance(v, torch.fx.Node)]
     return found
+
+
+def placeholders(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The graph's inputs, in order (placeholder ``i`` is tensor input ``i``)."""
+    return [n for n in graph.nodes if n.op == "placeholder"]
+
+
+def output_node(graph: torch.fx.Graph) -> torch.fx.Node:
+    """The graph's output node; its ``args[0]`` lists the returned values."""
+    return next(n for n in graph.nodes if n.op == "output")
+
+
+def returned(graph: torch.fx.Graph) -> list[Any]:
+    """The values the graph returns (output nodes, or constants), in order."""
+    return list(cast("Sequence[Any]", output_node(graph).args[0]))

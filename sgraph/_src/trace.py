@@ -25,7 +25,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from . import tree
 from .capture import SOURCE_KEY, GuardMode, Source, SourceMode, no_host_sync
 from .errors import CaptureError
-from .program import LeafInfo, Program, alias_root, written_args
+from .program import LeafInfo, Program, alias_root, placeholders, returned, written_args
 
 __all__ = ["ArgLayout", "trace", "arg_layout"]
 
@@ -184,11 +184,11 @@ def _functionalize(gm: torch.fx.GraphModule, tensors: list[torch.Tensor], api: s
 
 
 def _output_infos(spec: tree.PyTreeSpec, leaves: list[Any], gm: torch.fx.GraphModule) -> list[LeafInfo]:
-    returned = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    values = returned(gm.graph)
     infos, index = [], 0
     for leaf, path in zip(leaves, tree.paths(spec, prefix="result")):
         if isinstance(leaf, torch.Tensor):
-            val = returned[index].meta["val"]
+            val = values[index].meta["val"]
             infos.append(LeafInfo(path, index, tuple(val.shape), val.dtype, val.device))
             index += 1
         else:
@@ -211,7 +211,7 @@ def _check_input_writes(autograd_graph: torch.fx.GraphModule, program: Program) 
 
 def _write_source(gm: torch.fx.GraphModule, index: int) -> Source | None:
     """The source of the first in-place op that writes into placeholder ``index``."""
-    target = [n for n in gm.graph.nodes if n.op == "placeholder"][index]
+    target = placeholders(gm.graph)[index]
     for node in gm.graph.nodes:
         for arg in written_args(node):
             if alias_root(arg) is target:

@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from ..errors import DonationWarning
-from ..program import Program, alias_root
+from ..program import Program, alias_root, output_node, placeholders, returned
 
 __all__ = ["donation"]
 
@@ -28,17 +28,16 @@ def donation(program: Program) -> Program:
         ((0, 0), (1, 1))
     """
     gm = program.copy_graph_module()
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    returned = list(output.args[0])
-    _clone_views_of_donated(gm, returned, placeholders, program.donated)
-    aliases = _match(program, returned, placeholders)
-    output.args = (returned,)
+    inputs = placeholders(gm.graph)
+    values = returned(gm.graph)
+    _clone_views_of_donated(gm, values, inputs, program.donated)
+    aliases = _match(program, values, inputs)
+    output_node(gm.graph).args = (values,)
     gm.recompile()
     return program.replace(graph_module=gm, aliases=tuple(aliases), passes=program.passes + ("donation",))
 
 
-def _match(program: Program, returned: list, placeholders: list) -> list[tuple[int, int]]:
+def _match(program: Program, returned: list, inputs: list) -> list[tuple[int, int]]:
     used: set[int] = set()
     aliases = []
     inputs = program.tensor_inputs
@@ -49,7 +48,7 @@ def _match(program: Program, returned: list, placeholders: list) -> list[tuple[i
             if i is None or i in used or (out.shape, out.dtype, out.device) != want:
                 continue
             node = returned[i]
-            if node in placeholders and node is not placeholders[index]:
+            if node in inputs and node is not inputs[index]:
                 continue
             used.add(i)
             aliases.append((i, index))
@@ -70,12 +69,10 @@ def _warn_unused(program: Program, index: int) -> None:
     )
 
 
-def _clone_views_of_donated(
-    gm: torch.fx.GraphModule, returned: list, placeholders: list, donated: frozenset[int]
-) -> None:
-    targets = {placeholders[i] for i in donated}
+def _clone_views_of_donated(gm: torch.fx.GraphModule, returned: list, inputs: list, donated: frozenset[int]) -> None:
+    targets = {inputs[i] for i in donated}
     for i, node in enumerate(returned):
-        if not isinstance(node, torch.fx.Node) or node in placeholders:
+        if not isinstance(node, torch.fx.Node) or node in inputs:
             continue
         if alias_root(node) in targets:
             with gm.graph.inserting_after(node):

@@ -22,7 +22,7 @@ import torch
 import torch.fx
 
 from ..kernels.adamw import INPLACE_FORMS, written_lists
-from ..program import Program, alias_root
+from ..program import Program, alias_root, placeholders, returned
 
 __all__ = ["reinplace"]
 
@@ -39,9 +39,9 @@ def reinplace(program: Program) -> Program:
     gm = program.copy_graph_module()
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    returned = next(n for n in graph.nodes if n.op == "output").args[0]
-    target_of = {returned[o]: placeholders[i] for o, i in program.aliases}
+    inputs = placeholders(graph)
+    values = returned(graph)
+    target_of = {values[o]: inputs[i] for o, i in program.aliases}
     pending = {op for op in map(_producer, target_of) if op is not None}
     while pending:
         # Latest first: rewriting an op can make the op producing its input eligible.

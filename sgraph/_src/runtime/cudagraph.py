@@ -28,7 +28,7 @@ import torch
 from ..capture import SOURCE_KEY
 from ..errors import CaptureError, FallbackWarning, RetraceWarning, StaleBufferError
 from ..options import StaticOptions
-from ..program import Program
+from ..program import Program, placeholders, returned
 from .eager import write_back
 from .graph_nodes import count_kernels, new_graph
 
@@ -48,7 +48,7 @@ class CudaGraphExecutable:
         self.aliases = program.aliases
         self.donated = sorted(program.donated)
         self.aliased_outputs = {o for o, _ in program.aliases}
-        self.placeholder_outputs = _placeholder_outputs(program)
+        self.placeholder_outputs = _placeholder_outputs(program, self.aliased_outputs)
         kept = self.aliased_outputs | set(self.placeholder_outputs)
         count = sum(leaf.is_tensor for leaf in program.outputs)
         self.copied_outputs = [] if options.outputs == "view" else [i for i in range(count) if i not in kept]
@@ -119,8 +119,6 @@ class CudaGraphExecutable:
         with torch.no_grad(), torch.cuda.stream(stream):
             results = list(self.graph_module(*inputs))
             write_back(inputs, results, self.aliases)
-        for i, p in self.placeholder_outputs.items():
-            results[i] = inputs[p]
         return results
 
     def _give_up_capturing(self, error: CaptureError) -> None:
@@ -199,9 +197,8 @@ def _check_devices(program: Program) -> None:
             )
 
 
-def _placeholder_outputs(program: Program) -> dict[int, int]:
-    """Outputs that are inputs returned unchanged: output index -> placeholder index."""
-    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
-    returned = next(n for n in program.graph.nodes if n.op == "output").args[0]
-    aliased = {o for o, _ in program.aliases}
-    return {i: placeholders.index(node) for i, node in enumerate(returned) if node in placeholders and i not in aliased}
+def _placeholder_outputs(program: Program, aliased: set[int]) -> dict[int, int]:
+    """Outputs that are inputs returned unchanged (and not donated): output index -> placeholder index."""
+    inputs = placeholders(program.graph)
+    values = returned(program.graph)
+    return {i: inputs.index(node) for i, node in enumerate(values) if node in inputs and i not in aliased}
