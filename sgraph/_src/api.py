@@ -8,17 +8,22 @@ so the order of the decorators does not change the meaning.
 from __future__ import annotations
 
 import functools
+import inspect
+import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, overload
 
-from . import tree
+from . import guards
+from .argtree import ArgFlattener, CallStructure
+from .dispatch import Entry, check_call_inputs, nearest
 from .errors import ArgumentError, ArgumentTypeError, CaptureError, FallbackWarning, RetraceError, RetraceWarning
-from .options import Fallback, Options, OutputMode, Retrace, StaticOptions, check_donate, check_literal
+from .options import Fallback, Options, OutputMode, Retrace, StaticOptions, check_donate, check_literal, check_unknown
 from .signature import Signature, signature_of
-from .stages import Compiled, Counters, Lowered, Traced
-from .trace import arg_layout, trace
+from .stages import Compiled, Counters, Traced
+from .trace import ArgLayout, arg_layout, trace
 
 __all__ = ["static", "Transformed"]
 
@@ -26,19 +31,26 @@ __all__ = ["static", "Transformed"]
 class Transformed:
     """A step wrapped by sgraph transforms: call it, or stage it with ``.trace``.
 
+    Calls from several threads are safe: a new signature is traced once (the other
+    threads wait for it), and calls of compiled signatures do not wait for each other.
+
     Attributes:
         fn: the user's step.
         options: the validated options of every transform applied.
         trace_count: how many times the step was traced.
     """
 
-    def __init__(self, fn: Callable[..., Any], options: Options) -> None:
+    def __init__(self, fn: Callable[..., Any], options: Options, *, bound: Any = None) -> None:
         self.fn = fn
         self.options = options
-        self._cache: dict[Signature, Compiled] = {}
-        self._last: Signature | None = None
+        self._entries: dict[CallStructure, list[Entry]] = {}
+        self._flattener = ArgFlattener()
+        self._last: Entry | None = None
         self._counters = Counters()
         self._fallback_reason: str | None = None
+        self._lock = threading.RLock()
+        self._bound = weakref.ref(bound) if bound is not None else None
+        self._methods: weakref.WeakKeyDictionary[Any, Transformed] = weakref.WeakKeyDictionary()
         functools.update_wrapper(self, fn)
 
     @property
@@ -53,62 +65,91 @@ class Transformed:
 
     @property
     def last_compiled(self) -> Compiled | None:
-        """The compiled step that ran on the latest call (its ``.stats``, listing...)."""
-        return self._cache.get(self._last) if self._last is not None else None
+        """The compiled step that ran on the latest call (its ``.stats``, listing...);
+        None before the first call.
+
+        Raises:
+            CaptureError: the step fell back to running eagerly (``fallback="eager"``),
+                so no compiled step runs; the message gives the reason.
+        """
+        if self._fallback_reason is not None:
+            raise CaptureError(
+                f"{self.api} runs eagerly since it could not be captured (fallback='eager'), so there is "
+                f"no compiled step. Reason: {self._fallback_reason}"
+            )
+        return self._last.compiled if self._last is not None else None
+
+    # ----------------------------------------------------------------------- calls
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._fallback_reason is not None:
+        if guards.is_tracing() or self._fallback_reason is not None:
+            # Inside another step's trace this step is part of that step, as jit inside jit.
+            return self._call_fn(args, kwargs)
+        leaves, structure = self._flattener.flatten(args, kwargs)
+        state = guards.global_state()
+        for entry in self._entries.get(structure, ()):
+            tensors = entry.accepts(leaves, state)
+            if tensors is not None:
+                self._last = entry
+                return entry.run(tensors)
+        return self._first_call(args, kwargs, leaves, structure, state)
+
+    def _call_fn(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        if self._bound is None:
             return self.fn(*args, **kwargs)
-        leaves, spec = tree.flatten((args, kwargs))
-        signature = signature_of(leaves, spec)
-        compiled = self._cache.get(signature)
-        if compiled is not None:
-            self._last = signature
-            return compiled.call_flat(leaves)
-        return self._first_call(signature, leaves, args, kwargs)
+        return self.fn(self._instance(), *args, **kwargs)
 
-    def trace(self, *args: Any, **kwargs: Any) -> Traced:
-        """Trace the step for these arguments into one graph (no cache, no retrace policy).
-
-        Example:
-            >>> print(train_step.trace(params, opt_state, batch).as_text())
-        """
-        leaves, spec = tree.flatten((args, kwargs))
-        layout = arg_layout(self.fn, args, kwargs, self._static.donate)
-        signature = signature_of(leaves, spec, layout.paths)
-        start = time.perf_counter()
-        program = trace(self.fn, args, kwargs, api=self.api, layout=layout)
-        self._counters.traces += 1
-        return Traced(program, signature, layout, self.options, self._counters, time.perf_counter() - start)
-
-    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
-        """Shorthand for ``self.trace(*args, **kwargs).lower()``."""
-        return self.trace(*args, **kwargs).lower()
-
-    @property
-    def _static(self) -> StaticOptions:
-        return self.options.effective_static
-
-    def _first_call(self, signature: Signature, leaves: list[Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    def _first_call(
+        self,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        leaves: list[Any],
+        structure: CallStructure,
+        state: guards.GlobalState,
+    ) -> Any:
         """Trace, lower and compile for a new signature, then run (a CUDA graph captures on its first run)."""
-        if self._last is not None:
-            self._check_retrace(signature, args, kwargs)
-        try:
-            compiled = self.trace(*args, **kwargs).lower().compile()
-            result = compiled.call_flat(leaves)
-        except CaptureError as e:
-            if self._static.fallback != "eager":
-                raise
-            self._fall_back(e)
-            return self.fn(*args, **kwargs)
-        self._cache[signature] = compiled
-        self._last = signature
-        return result
+        with self._lock:
+            for entry in self._entries.get(structure, ()):  # another thread may have made it meanwhile
+                tensors = entry.accepts(leaves, state)
+                if tensors is not None:
+                    self._last = entry
+                    return entry.run(tensors)
+            if self._fallback_reason is not None:
+                return self._call_fn(args, kwargs)
+            self._check_binding(args, kwargs)
+            layout = self._layout(args, kwargs)
+            check_call_inputs(self.api, leaves, layout.paths)
+            signature = signature_of(leaves, structure, layout.paths, state, names=layout.names)
+            self._check_retrace(signature)
+            try:
+                traced = self._trace(args, kwargs, layout, signature)
+                entry = Entry(traced.lower().compile(), traced.signature, leaves)
+                result = entry.run(entry.first_call(leaves, state))
+            except CaptureError as e:
+                if self._static.fallback != "eager":
+                    raise
+                self._fall_back(e)
+                return self._call_fn(args, kwargs)
+            self._entries.setdefault(structure, []).append(entry)
+            self._last = entry
+            return result
 
-    def _check_retrace(self, signature: Signature, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        assert self._last is not None
-        layout = arg_layout(self.fn, args, kwargs, ())
-        change = signature.difference(self._last, layout.paths)
+    def _check_binding(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Raise the ``TypeError`` Python would for a call the step cannot take."""
+        try:
+            sig = inspect.signature(self.fn)
+        except (TypeError, ValueError):
+            return
+        try:
+            sig.bind(*((None,) if self._bound is not None else ()), *args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{_name(self.fn)}(): {e}") from None
+
+    def _check_retrace(self, signature: Signature) -> None:
+        entries = [e for es in self._entries.values() for e in es]
+        if not entries:
+            return
+        change = nearest(signature, entries)
         policy = self._static.retrace
         message = (
             f"{self.api} is traced again (trace {self._counters.traces + 1}) because {change}. "
@@ -118,8 +159,49 @@ class Transformed:
         if policy == "error":
             raise RetraceError(message + ", or pass retrace='warn' to allow it.")
         if policy == "warn":
-            warnings.warn(message + ", or pass retrace='allow' to silence this.", RetraceWarning, stacklevel=4)
+            warnings.warn(message + ", or pass retrace='allow' to silence this.", RetraceWarning, stacklevel=5)
         self._counters.retraces += 1
+
+    # ----------------------------------------------------------------------- stages
+
+    def trace(self, *args: Any, **kwargs: Any) -> Traced:
+        """Trace the step for these arguments into one graph (no cache, no retrace policy).
+
+        Example:
+            >>> print(train_step.trace(params, opt_state, batch).as_text())
+        """
+        leaves, structure = ArgFlattener().flatten(args, kwargs)
+        self._check_binding(args, kwargs)
+        layout = self._layout(args, kwargs)
+        check_call_inputs(self.api, leaves, layout.paths)
+        signature = signature_of(leaves, structure, layout.paths, guards.global_state(), names=layout.names)
+        return self._trace(args, kwargs, layout, signature)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """Shorthand for ``self.trace(*args, **kwargs).lower()``."""
+        return self.trace(*args, **kwargs).lower()
+
+    def _trace(self, args: Sequence[Any], kwargs: dict[str, Any], layout: ArgLayout, signature: Signature) -> Traced:
+        start = time.perf_counter()
+        bound = () if self._bound is None else (self._instance(),)
+        program = trace(self.fn, args, kwargs, api=self.api, layout=layout, bound=bound)
+        self._counters.traces += 1
+        signature = Signature(
+            signature.structure,
+            signature.leaves,
+            signature.state,
+            guards.ModuleFlags.of([*program.modules, *guards.modules_in(self.fn, [*bound, *args, *kwargs.values()])]),
+            signature.paths,
+            signature.names,
+        )
+        return Traced(program, signature, layout, self.options, self._counters, time.perf_counter() - start)
+
+    def _layout(self, args: Sequence[Any], kwargs: dict[str, Any]) -> ArgLayout:
+        return arg_layout(self.fn, args, kwargs, self._static.donate, skip=0 if self._bound is None else 1)
+
+    @property
+    def _static(self) -> StaticOptions:
+        return self.options.effective_static
 
     def _fall_back(self, error: CaptureError) -> None:
         self._fallback_reason = str(error)
@@ -127,12 +209,44 @@ class Transformed:
             f"{self.api}: the step cannot be captured, so it runs eagerly from now on "
             f"(fallback='eager'). Reason: {error}",
             FallbackWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
 
+    # ----------------------------------------------------------------------- methods
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        """``@sg.static`` on a method: each instance gets its own compiled steps."""
+        if instance is None or self._bound is not None:
+            return self
+        try:
+            found = self._methods.get(instance)
+            if found is None:
+                found = self._methods[instance] = Transformed(self.fn, self.options, bound=instance)
+            return found
+        except TypeError:  # an instance that cannot be weakly referenced or hashed
+            return functools.partial(self, instance)
+
+    def _instance(self) -> Any:
+        assert self._bound is not None
+        instance = self._bound()
+        if instance is None:
+            raise ReferenceError(f"{self.api}: the object this method was bound to no longer exists.")
+        return instance
+
+    # ----------------------------------------------------------------------- display
+
     def __repr__(self) -> str:
-        n = len(self._cache)
-        return f"<{self.api}: {n} compiled signature{'s' * (n != 1)}, {self.trace_count} traces>"
+        n = sum(len(es) for es in self._entries.values())
+        options, default = self._static, StaticOptions()
+        shown = [
+            f" {k}={getattr(options, k)!r}"
+            for k in ("donate", "retrace", "fallback", "outputs")
+            if getattr(options, k) != getattr(default, k)
+        ]
+        head = f"<{self.api}{''.join(shown)}: {n} compiled signature{'s' * (n != 1)}, {self.trace_count} traces"
+        if self._fallback_reason is not None:
+            return head + f"; fell back to eager: {self._fallback_reason[:120]}>"
+        return head + ">"
 
 
 @overload
@@ -155,6 +269,7 @@ def static(
     retrace: Retrace = "warn",
     fallback: Fallback = "none",
     outputs: OutputMode = "copy",
+    **unknown: Any,
 ) -> Transformed | Callable[[Callable[..., Any]], Transformed]:
     """Capture the whole step once and replay it: one CUDA graph on a GPU, the same
     compiled program without a graph on CPU.
@@ -165,8 +280,9 @@ def static(
             each donated leaf receives the output of the same shape and dtype (in
             order), and the result holds the very same tensor objects.
         retrace: what a call with a new signature (shape, dtype, device, static
-            value) does: ``"warn"`` (trace again, warn naming the leaf),
-            ``"error"`` (raise :class:`RetraceError`), ``"allow"`` (trace silently).
+            value, dict key order, global mode, module training flag) does:
+            ``"warn"`` (trace again, warn naming what changed), ``"error"`` (raise
+            :class:`RetraceError`), ``"allow"`` (trace silently).
         fallback: ``"none"`` raises :class:`CaptureError` for a step that cannot be
             captured; ``"eager"`` warns once and runs it uncaptured instead.
         outputs: ``"copy"`` returns outputs no later call can overwrite; ``"view"``
@@ -176,10 +292,15 @@ def static(
     Returns:
         A :class:`Transformed` step (``.trace``, ``.lower``, ``.trace_count``...).
 
+    Raises:
+        ArgumentError / ArgumentTypeError: an option has a wrong value or type, or
+            is not an option of ``sg.static``.
+
     Example:
         >>> @sg.static(donate=("params", "opt_state"))
         ... def train_step(params, opt_state, batch): ...
     """
+    check_unknown("sg.static", unknown, ("donate", "retrace", "fallback", "outputs"))
 
     def wrap(f: Callable[..., Any]) -> Transformed:
         api = f"sg.static({_name(f)})"

@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from .errors import ArgumentError, ArgumentTypeError, TreeStructureError, UnsupportedError
+from .guards import note_module
 
 __all__ = ["functional", "Apply", "ArgumentError", "ArgumentTypeError", "UnsupportedError"]
 
@@ -126,6 +127,7 @@ class Apply:
     ) -> Any:
         """Run the module on ``params`` and ``buffers``; see :func:`functional`."""
         spec = self._spec
+        note_module(self._module)  # a traced step depends on the modules' training flags
         _check_tensors(params, spec.param_shapes, arg="params", what="parameter")
         _check_tensors(buffers, spec.buffer_shapes, arg="buffers", what="buffer")
         norm_buffers = _norm_buffers(spec.norm_layers, buffers)

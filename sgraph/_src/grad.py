@@ -67,8 +67,13 @@ def grad(fun: Callable[..., Any], /, *, argnums: ArgNums = 0, has_aux: bool = Fa
 
 
 def _check_argnums(fun: Callable[..., Any], argnums: ArgNums) -> tuple[int, ...]:
+    if isinstance(argnums, bool) or not isinstance(argnums, (int, tuple, list)):
+        raise ArgumentTypeError(
+            f"sg.grad({_name(fun)}): argnums must be an int or a tuple of ints; found {argnums!r}. "
+            "For example argnums=0 or argnums=(0, 1)."
+        )
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    if not nums or not all(isinstance(n, int) and n >= 0 for n in nums):
+    if not nums or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in nums):
         raise ArgumentError(
             f"sg.grad({_name(fun)}): argnums must be a non-negative int or a non-empty tuple of them; "
             f"found {argnums!r}."
@@ -98,12 +103,12 @@ def _value_and_grad(
         inputs.append(leaves)
         specs.append(spec)
         args[n] = tree.unflatten(spec, leaves)
-    with torch.enable_grad():
-        out = fun(*args, **kwargs)
-    value, aux = _split_aux(fun, out, has_aux)
     flat = [leaf for leaves in inputs for leaf in leaves]
     create_graph = outer  # an outer sg.grad differentiates through this one
-    grads = _autograd(value, flat, create_graph)
+    with torch.enable_grad():  # gradients even under an outer torch.no_grad(), as torch.func.grad
+        out = fun(*args, **kwargs)
+        value, aux = _split_aux(fun, out, has_aux)
+        grads = _autograd(value, flat, create_graph)
     grads_trees, start = [], 0
     for leaves, spec in zip(inputs, specs):
         grads_trees.append(tree.unflatten(spec, grads[start : start + len(leaves)]))

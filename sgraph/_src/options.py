@@ -6,13 +6,15 @@ tracing and cache keys read only these records.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 from .errors import ArgumentError, ArgumentTypeError
 
-__all__ = ["Options", "StaticOptions", "Retrace", "Fallback", "OutputMode", "check_donate"]
+__all__ = ["Options", "StaticOptions", "Retrace", "Fallback", "OutputMode", "check_donate", "check_literal", "check_unknown"]
 
 Retrace = Literal["warn", "error", "allow"]
 Fallback = Literal["none", "eager"]
@@ -51,32 +53,72 @@ def check_literal(api: str, name: str, value: Any, kind: Any) -> None:
         raise ArgumentError(f"{api}: {name}={value!r} is not one of {', '.join(repr(a) for a in allowed)}.")
 
 
+def check_unknown(api: str, unknown: dict[str, Any], known: Sequence[str]) -> None:
+    """Raise naming an option the transform does not have, with the closest known one."""
+    if not unknown:
+        return
+    name = next(iter(unknown))
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" Did you mean {close[0]}=?" if close else ""
+    raise ArgumentTypeError(f"{api}: unknown option {name}={unknown[name]!r}; its options are {', '.join(known)}.{hint}")
+
+
 def check_donate(api: str, fn: Callable[..., Any], donate: Any) -> tuple[str | int, ...]:
     """Normalize ``donate`` to a tuple of names/positions that exist in ``fn``'s signature."""
-    items: Sequence[Any] = (donate,) if isinstance(donate, (str, int)) else tuple(donate)
-    params, var_kw = _parameters(fn)
+    if isinstance(donate, (str, int)) and not isinstance(donate, bool):
+        items: Sequence[Any] = (donate,)
+    elif isinstance(donate, (tuple, list)):
+        items = tuple(donate)
+    else:
+        raise ArgumentTypeError(
+            f"{api}: donate must be an argument name, a position, or a tuple of them; found {donate!r}. "
+            "For example donate=(\"params\", \"opt_state\") or donate=0."
+        )
+    params, var_kw, positional, var_pos = _parameters(fn)
     for item in items:
-        if isinstance(item, bool) or not isinstance(item, (str, int)):
-            raise ArgumentTypeError(f"{api}: donate entries are argument names or positions; found {item!r}.")
-        if isinstance(item, str) and params is not None and item not in params and not var_kw:
-            raise ArgumentError(
-                f"{api}: donate names {item!r}, which is not a parameter of {_name(fn)}; "
-                f"its parameters are {', '.join(params)}."
-            )
-        if isinstance(item, int) and item < 0:
-            raise ArgumentError(f"{api}: donate position {item} is negative; use positions from 0.")
+        _check_donate_item(api, fn, item, params, var_kw, positional, var_pos)
     return tuple(items)
 
 
-def _parameters(fn: Callable[..., Any]) -> tuple[list[str] | None, bool]:
-    import inspect
+def _check_donate_item(
+    api: str,
+    fn: Callable[..., Any],
+    item: Any,
+    params: list[str] | None,
+    var_kw: bool,
+    positional: int,
+    var_pos: bool,
+) -> None:
+    if isinstance(item, bool) or not isinstance(item, (str, int)):
+        raise ArgumentTypeError(f"{api}: donate entries are argument names or positions; found {item!r}.")
+    if isinstance(item, str) and params is not None and item not in params and not var_kw:
+        raise ArgumentError(
+            f"{api}: donate names {item!r}, which is not a parameter of {_name(fn)}; "
+            f"its parameters are {', '.join(params)}."
+        )
+    if isinstance(item, int) and item < 0:
+        raise ArgumentError(f"{api}: donate position {item} is negative; use positions from 0.")
+    if isinstance(item, int) and params is not None and not var_pos and item >= positional:
+        raise ArgumentError(
+            f"{api}: donate position {item} is beyond the {positional} positional parameter(s) of "
+            f"{_name(fn)} ({', '.join(params[:positional]) or 'none'}); positions count from 0."
+        )
 
+
+def _parameters(fn: Callable[..., Any]) -> tuple[list[str] | None, bool, int, bool]:
+    """Parameter names, whether there is ``**kwargs``, how many positional ones, whether ``*args``."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
-        return None, True
+        return None, True, 0, True
     kinds = [p.kind for p in sig.parameters.values()]
-    return list(sig.parameters), inspect.Parameter.VAR_KEYWORD in kinds
+    positional = sum(k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for k in kinds)
+    return (
+        list(sig.parameters),
+        inspect.Parameter.VAR_KEYWORD in kinds,
+        positional,
+        inspect.Parameter.VAR_POSITIONAL in kinds,
+    )
 
 
 def _name(fn: Callable[..., Any]) -> str:

@@ -63,6 +63,8 @@ class Program:
         aliases: ``(output graph index, placeholder index)`` pairs: that output is
             written into that donated input, which is then returned in its place.
         passes: names of the passes applied so far, in order.
+        modules: the modules whose training flags the trace read (through
+            ``sg.functional`` apply functions).
     """
 
     name: str
@@ -74,6 +76,7 @@ class Program:
     donated: frozenset[int] = frozenset()
     aliases: tuple[tuple[int, int], ...] = ()
     passes: tuple[str, ...] = field(default=())
+    modules: tuple[Any, ...] = field(default=())
 
     @property
     def graph(self) -> torch.fx.Graph:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import html
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -20,6 +20,8 @@ from .options import Options
 from .passes.pipeline import lower as run_passes
 from .program import Program
 from .runtime.eager import EagerExecutable
+from .argtree import ArgFlattener
+from .guards import global_state
 from .signature import Signature, signature_of
 from .trace import ArgLayout
 
@@ -141,7 +143,7 @@ class Compiled(_Stage):
     leaf that differs (the transformed function, not this stage, retraces).
     """
 
-    def __init__(self, lowered: Lowered, executable: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> None:
+    def __init__(self, lowered: Lowered, executable: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]) -> None:
         self.program = lowered.program
         self.lowered = lowered
         self.executable = executable
@@ -151,19 +153,26 @@ class Compiled(_Stage):
         self._positions = [i for i, leaf in enumerate(self.program.inputs) if leaf.is_tensor]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        leaves, spec = tree.flatten((args, kwargs))
-        signature = signature_of(leaves, spec, self._layout.paths)
-        if signature != self._signature:
+        leaves, structure = ArgFlattener().flatten(args, kwargs)
+        expected = self._signature
+        signature = signature_of(
+            leaves, structure, self._layout.paths, global_state(), expected.modules.now(), self._layout.names
+        )
+        if signature != expected:
             raise ArgumentTypeError(
                 f"{self.program.name}: this compiled step was made for other arguments: "
-                f"{signature.difference(self._signature, self._layout.paths)}. Call the transformed "
-                "function instead (it traces again for new signatures)."
+                f"{signature.difference(expected)}. Call the transformed function instead (it traces "
+                "again for new signatures)."
             )
         return self.call_flat(leaves)
 
     def call_flat(self, leaves: list[Any]) -> Any:
         """Run on already-flattened, already-checked arguments."""
-        outputs = self.executable([leaves[i] for i in self._positions])
+        return self.call_tensors([leaves[i] for i in self._positions])
+
+    def call_tensors(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """Run on the call's tensor leaves alone (already checked)."""
+        outputs = self.executable(tensors)
         self.calls += 1
         result = [outputs[cast(int, o.graph_index)] if o.is_tensor else o.value for o in self.program.outputs]
         return tree.unflatten(self.program.out_spec, result)

@@ -14,6 +14,7 @@ input is touched):
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -22,24 +23,33 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from . import tree
+from . import guards, tree
 from .capture import SOURCE_KEY, GuardMode, Source, SourceMode, no_host_sync
 from .errors import CaptureError
+from .hidden import find_hidden_tensor
 from .program import LeafInfo, Program, alias_root, placeholders, returned, written_args
 
 __all__ = ["ArgLayout", "trace", "arg_layout"]
 
+_TRACE_LOCK = threading.RLock()
+
 
 @dataclass(frozen=True)
 class ArgLayout:
-    """How a call's arguments flatten: leaf paths and which leaves are donated."""
+    """How a call's arguments flatten: leaf paths, which leaves are donated, argument names."""
 
     paths: tuple[str, ...]
     donated_leaves: frozenset[int]
+    names: tuple[str, ...] = ()
 
 
 def arg_layout(
-    fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], donate: Sequence[str | int]
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    donate: Sequence[str | int],
+    *,
+    skip: int = 0,
 ) -> ArgLayout:
     """Name every leaf of ``(args, kwargs)`` after the parameter it belongs to.
 
@@ -47,23 +57,25 @@ def arg_layout(
         fn: the user's step (its signature gives the names).
         args / kwargs: one call's arguments.
         donate: parameter names or positions whose leaves are donated.
+        skip: leading parameters already bound (a method's ``self``): ``args[0]``
+            is parameter ``skip``, and donated positions count the bound ones.
 
     Returns:
         Leaf paths in the order :func:`tree.flatten` gives ``(args, kwargs)``.
     """
-    names = _positional_names(fn, len(args))
-    positions = {d for d in donate if isinstance(d, int)}
+    names = _positional_names(fn, len(args) + skip)[skip:]
+    positions = {d - skip for d in donate if isinstance(d, int)}
     named = {d for d in donate if isinstance(d, str)}
     paths: list[str] = []
     donated: set[int] = set()
     parts = [(names[i], a, i in positions or names[i] in named) for i, a in enumerate(args)]
-    parts += [(k, kwargs[k], k in named or _position(fn, k) in positions) for k in sorted(kwargs)]
+    parts += [(k, kwargs[k], k in named or _position(fn, k, skip) in positions) for k in sorted(kwargs)]
     for name, value, is_donated in parts:
         leaf_paths = tree.flatten_with_paths(value, prefix=name)[0]
         if is_donated:
             donated.update(range(len(paths), len(paths) + len(leaf_paths)))
         paths += leaf_paths
-    return ArgLayout(tuple(paths), frozenset(donated))
+    return ArgLayout(tuple(paths), frozenset(donated), tuple(name for name, _, _ in parts))
 
 
 def _positional_names(fn: Callable[..., Any], count: int) -> list[str]:
@@ -76,12 +88,12 @@ def _positional_names(fn: Callable[..., Any], count: int) -> list[str]:
     return [names[i] if i < len(names) else f"{star}[{i - len(names)}]" for i in range(count)]
 
 
-def _position(fn: Callable[..., Any], name: str) -> int | None:
+def _position(fn: Callable[..., Any], name: str, skip: int) -> int | None:
     try:
         params = list(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         return None
-    return params.index(name) if name in params else None
+    return params.index(name) - skip if name in params else None
 
 
 def trace(
@@ -91,14 +103,19 @@ def trace(
     *,
     api: str,
     layout: ArgLayout,
+    bound: Sequence[Any] = (),
 ) -> Program:
-    """Trace ``fn(*args, **kwargs)`` into a functional Program.
+    """Trace ``fn(*bound, *args, **kwargs)`` into a functional Program.
+
+    Tracing runs under a process-wide lock: ``make_fx`` keeps global state and
+    cannot trace in two threads at once.
 
     Args:
         fn: the pure step.
         args / kwargs: example arguments (real tensors; only metadata is used).
         api: the transform's name for messages, e.g. ``sg.static(train_step)``.
         layout: leaf paths and donated leaves from :func:`arg_layout`.
+        bound: leading arguments that are not traced (a method's ``self``).
 
     Returns:
         The Program, before any pass.
@@ -111,10 +128,11 @@ def trace(
     donated = frozenset(
         cast(int, info.graph_index) for i, info in enumerate(inputs) if i in layout.donated_leaves and info.is_tensor
     )
-    flat_fn, result = _flat_step(fn, api, in_spec, leaves)
-    with no_host_sync(api):
+    flat_fn, result = _flat_step(fn, api, in_spec, leaves, bound)
+    with _TRACE_LOCK, guards.tracing() as modules, no_host_sync(api):
         autograd_graph = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
         functional = _functionalize(autograd_graph, tensors, api)
+    _check_outputs(api, result["spec"], result["leaves"])
     outputs = _output_infos(result["spec"], result["leaves"], functional)
     program = Program(
         name=api,
@@ -124,6 +142,7 @@ def trace(
         inputs=tuple(inputs),
         outputs=tuple(outputs),
         donated=donated,
+        modules=tuple(modules),
     )
     _check_input_writes(autograd_graph, program)
     return program
@@ -142,7 +161,7 @@ def _input_infos(leaves: list[Any], paths: Sequence[str]) -> tuple[list[LeafInfo
 
 
 def _flat_step(
-    fn: Callable[..., Any], api: str, in_spec: tree.PyTreeSpec, leaves: list[Any]
+    fn: Callable[..., Any], api: str, in_spec: tree.PyTreeSpec, leaves: list[Any], bound: Sequence[Any]
 ) -> tuple[Callable[..., list[torch.Tensor]], dict[str, Any]]:
     """``fn`` as a function of its tensor leaves only, returning its tensor outputs."""
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
@@ -154,7 +173,7 @@ def _flat_step(
             full[i] = t
         args, kwargs = tree.unflatten(in_spec, full)
         with GuardMode(api), SourceMode(api):
-            out = fn(*args, **kwargs)
+            out = fn(*bound, *args, **kwargs)
         out_leaves, result["spec"] = tree.flatten(out)
         result["leaves"] = out_leaves
         return [leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor)]
@@ -181,6 +200,21 @@ def _functionalize(gm: torch.fx.GraphModule, tensors: list[torch.Tensor], api: s
 
     functional = torch.func.functionalize(run, remove="mutations")
     return make_fx(functional, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
+
+
+def _check_outputs(api: str, spec: tree.PyTreeSpec, leaves: list[Any]) -> None:
+    """Raise for a tensor the step returns inside an object that is not a pytree container."""
+    for leaf, path in zip(leaves, tree.paths(spec, prefix="result")):
+        if isinstance(leaf, torch.Tensor):
+            continue
+        inner = find_hidden_tensor(leaf)
+        if inner is not None:
+            raise CaptureError(
+                f"{api}: the step returns a tensor at {path}{inner}, inside a {type(leaf).__name__}, which "
+                "is not a pytree container, so it would come back as a trace-time placeholder. Register "
+                f"the class: sg.tree.register_dataclass({type(leaf).__name__}) for a dataclass, "
+                "sg.tree.register_node otherwise; or return the tensors in a dict, list or tuple."
+            )
 
 
 def _output_infos(spec: tree.PyTreeSpec, leaves: list[Any], gm: torch.fx.GraphModule) -> list[LeafInfo]:

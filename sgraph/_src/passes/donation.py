@@ -1,27 +1,42 @@
 """Match donated inputs to outputs, so each output can be written into one.
 
-As in JAX, a donated input is reused for the first not-yet-matched output of the
-same shape, dtype and device, in flattening order (an input the step already
-writes in place keeps that write instead); a donated input that matches no
-output is reported with a :class:`DonationWarning` naming its path. An output that
-is a view of a donated input is cloned first, so writing the new values into that
-input cannot change an output the user holds.
+A donated input's memory is given to at most one output, and only where nothing
+the user can observe changes:
+
+1. A donated input the step returns unchanged keeps its place: it is that output
+   (and is given to no other).
+2. Other donated inputs each take the first unmatched output of the same shape,
+   dtype and device, preferring the output at the same path within its argument
+   (``params['w']`` takes ``result[0]['w']``), then flattening order, as in JAX.
+   An input the step already writes in place keeps that write instead. Outputs
+   that are inputs returned unchanged are never written into another input.
+3. A donated input matched to nothing is reported with a :class:`DonationWarning`.
+
+After matching, an output that shares memory with a donated input's new value —
+a view of a donated input, or the same value (or a view of it) returned a second
+time, say in a metrics dict — is cloned, so the next call's writes into that
+input cannot change what the user holds.
 """
 
 from __future__ import annotations
 
+import re
 import warnings
+from typing import cast
 
 import torch
 
 from ..errors import DonationWarning
-from ..program import Program, alias_root, output_node, placeholders, returned
+from ..program import LeafInfo, Program, alias_root, output_node, placeholders, returned
 
 __all__ = ["donation"]
 
+Node = torch.fx.Node
+
 
 def donation(program: Program) -> Program:
-    """Record ``(output, donated input)`` pairs in ``program.aliases``.
+    """Record ``(output, donated input)`` pairs in ``program.aliases``; clone outputs
+    that would share memory with a donated input.
 
     Example:
         >>> donation(program).aliases   # output 0 goes into input 0, ...
@@ -30,32 +45,59 @@ def donation(program: Program) -> Program:
     gm = program.copy_graph_module()
     inputs = placeholders(gm.graph)
     values = returned(gm.graph)
-    _clone_views_of_donated(gm, values, inputs, program.donated)
+    donated = {inputs[i] for i in program.donated}
+    _clone_sharing(gm, values, donated, skip=set())  # before matching: a view must not be written anywhere
     aliases = _match(program, values, inputs)
+    owners = {values[o] for o, _ in aliases if isinstance(values[o], Node)}
+    _clone_sharing(gm, values, owners | donated, skip={o for o, _ in aliases})
     output_node(gm.graph).args = (values,)
     gm.recompile()
     return program.replace(graph_module=gm, aliases=tuple(aliases), passes=program.passes + ("donation",))
 
 
-def _match(program: Program, returned: list, inputs: list) -> list[tuple[int, int]]:
+def _match(program: Program, values: list, inputs: list) -> list[tuple[int, int]]:
+    leaves = program.tensor_inputs
+    outputs = [o for o in program.outputs if o.is_tensor]
+    returned_inputs = {v for v in values if isinstance(v, Node) and v.op == "placeholder"}
+    aliases: list[tuple[int, int]] = []
     used: set[int] = set()
-    aliases = []
-    inputs = program.tensor_inputs
-    for index in sorted(program.donated - program.written_inputs()):
-        want = (inputs[index].shape, inputs[index].dtype, inputs[index].device)
-        for out in program.outputs:
-            i = out.graph_index
-            if i is None or i in used or (out.shape, out.dtype, out.device) != want:
-                continue
-            node = returned[i]
-            if node in inputs and node is not inputs[index]:
-                continue
-            used.add(i)
-            aliases.append((i, index))
-            break
-        else:
+    for index in sorted(program.donated):
+        same = [cast(int, o.graph_index) for o in outputs if values[cast(int, o.graph_index)] is inputs[index]]
+        if same:
+            aliases.append((same[0], index))
+            used.update(same)
+    matched = {i for _, i in aliases}
+    for index in sorted(program.donated - program.written_inputs() - matched):
+        choice = _choose(leaves[index], outputs, values, returned_inputs, used)
+        if choice is None:
             _warn_unused(program, index)
+            continue
+        used.add(choice)
+        aliases.append((choice, index))
     return aliases
+
+
+def _choose(
+    leaf: LeafInfo, outputs: list[LeafInfo], values: list, returned_inputs: set, used: set[int]
+) -> int | None:
+    """The output donated ``leaf`` receives: same path within its argument first, then first fit."""
+    want = (leaf.shape, leaf.dtype, leaf.device)
+    fits = [
+        cast(int, o.graph_index)
+        for o in outputs
+        if (o.shape, o.dtype, o.device) == want
+        and o.graph_index not in used
+        and values[cast(int, o.graph_index)] not in returned_inputs
+    ]
+    suffix = _within_argument(leaf.path)
+    by_path = [i for i in fits if _within_argument(outputs[i].path) == suffix and suffix]
+    return (by_path or fits or [None])[0]
+
+
+def _within_argument(path: str) -> str:
+    """``params['w']`` -> ``['w']``; ``result[0]['w']`` -> ``['w']`` (the path below the argument)."""
+    path = re.sub(r"^result(\[\d+\])?", "", path)
+    return re.sub(r"^[A-Za-z_][A-Za-z0-9_]*(\[\d+\])?", "", path) if not path.startswith(("[", ".")) else path
 
 
 def _warn_unused(program: Program, index: int) -> None:
@@ -69,13 +111,19 @@ def _warn_unused(program: Program, index: int) -> None:
     )
 
 
-def _clone_views_of_donated(gm: torch.fx.GraphModule, returned: list, inputs: list, donated: frozenset[int]) -> None:
-    targets = {inputs[i] for i in donated}
-    for i, node in enumerate(returned):
-        if not isinstance(node, torch.fx.Node) or node in inputs:
+def _clone_sharing(gm: torch.fx.GraphModule, values: list, owners: set, skip: set[int]) -> None:
+    """Clone each output (other than ``skip``) that is one of ``owners`` or a view of one.
+
+    A donated input returned unchanged at a position not in ``skip`` is cloned too,
+    except before matching, where it may still keep its place.
+    """
+    for i, node in enumerate(values):
+        if i in skip or not isinstance(node, Node):
             continue
-        if alias_root(node) in targets:
+        if node.op == "placeholder" and not skip:
+            continue
+        if node in owners or alias_root(node) in owners:
             with gm.graph.inserting_after(node):
                 clone = gm.graph.call_function(torch.ops.aten.clone.default, (node,))
             clone.meta = dict(node.meta)
-            returned[i] = clone
+            values[i] = clone

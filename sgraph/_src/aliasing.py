@@ -1,0 +1,162 @@
+"""Inputs that share memory with a donated input, checked on every call.
+
+A donated input's memory receives the step's new values. Another input that
+overlaps it (the same tensor under a second key, a view, an overlapping slice)
+would see those writes, which eager PyTorch never does. On every call the inputs'
+byte ranges are compared, cheaply (data pointers only; the ranges' lengths are
+fixed by the signature, and unchanged pointers need no new check):
+
+- an input that is not donated but overlaps a donated one is copied for this call,
+  so the step reads what eager would; unless the step writes into that donated
+  input in place, which the other input would see in eager: that raises;
+- two donated inputs that overlap raise: each would receive its own new value in
+  the same memory.
+
+Either error names both argument paths.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import torch
+
+from .errors import ArgumentError
+
+__all__ = ["AliasGuard"]
+
+
+class AliasGuard:
+    """Checks one compiled step's tensor inputs against its donated inputs.
+
+    Args:
+        name: the step, for messages (``sg.static(train_step)``).
+        paths: each tensor input's path.
+        example: the tensors of the first call (their extents are the signature's).
+        donated: positions (in ``example``) of donated inputs.
+        written: donated positions the step writes in place.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        paths: Sequence[str],
+        example: Sequence[torch.Tensor],
+        donated: frozenset[int],
+        written: frozenset[int],
+    ) -> None:
+        self.name = name
+        self.paths = list(paths)
+        self.donated = sorted(donated)
+        self.is_donated = [i in donated for i in range(len(example))]
+        self.written = written
+        self.extent = [_extent(t) for t in example]
+        self._ok: list[int] | None = None
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+
+    def prepare(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """The inputs to run on: ``tensors`` itself, or with aliasing inputs copied.
+
+        Raises:
+            ArgumentError: two donated inputs overlap, or an input overlaps a
+                donated input the step writes in place.
+        """
+        if not self.donated:
+            return tensors
+        ptrs = [t.data_ptr() for t in tensors]
+        ok = self._ok
+        if ptrs == ok:
+            return tensors
+        if ok is not None:
+            changed = [i for i, a, b in zip(range(len(ptrs)), ptrs, ok) if a != b]
+            if not any(self.is_donated[i] for i in changed) and not self._overlapping(ptrs, changed):
+                self._ok = ptrs
+                return tensors
+        copies = self._full_check(ptrs)
+        if not copies:
+            self._remember(ptrs)
+            return tensors
+        out = list(tensors)
+        for i in copies:
+            out[i] = copy_exactly(out[i])
+        return out
+
+    def _overlapping(self, ptrs: list[int], positions: list[int]) -> bool:
+        """Whether any of ``positions`` overlaps a donated input (donated ranges unchanged)."""
+        for i in positions:
+            start, size = ptrs[i], self.extent[i]
+            if not size:
+                continue
+            k = bisect.bisect_left(self._starts, start + size) - 1
+            if k >= 0 and self._ends[k] > start:
+                return True
+        return False
+
+    def _remember(self, ptrs: list[int]) -> None:
+        ranges = sorted((ptrs[i], ptrs[i] + self.extent[i]) for i in self.donated if self.extent[i])
+        self._starts = [s for s, _ in ranges]
+        self._ends = [e for _, e in ranges]
+        self._ok = ptrs
+
+    def _full_check(self, ptrs: list[int]) -> list[int]:
+        """Positions of non-donated inputs to copy; raises for overlaps it cannot undo."""
+        copies = []
+        for a, b in _overlaps(ptrs, self.extent):
+            if self.is_donated[a] and self.is_donated[b]:
+                raise ArgumentError(self._both_donated(a, b))
+            donated, other = (a, b) if self.is_donated[a] else (b, a)
+            if not self.is_donated[donated]:
+                continue  # neither is donated: nothing writes either
+            if donated in self.written:
+                raise ArgumentError(self._written(donated, other))
+            copies.append(other)
+        return sorted(set(copies))
+
+    def _both_donated(self, a: int, b: int) -> str:
+        return (
+            f"{self.name}: donated inputs {self.paths[a]} and {self.paths[b]} share memory (the same "
+            "tensor, or overlapping views of one), so each would receive its new value in the same "
+            "memory. Pass distinct tensors (clone one of them), or do not donate that argument."
+        )
+
+    def _written(self, donated: int, other: int) -> str:
+        return (
+            f"{self.name}: input {self.paths[other]} shares memory with donated input "
+            f"{self.paths[donated]}, which the step writes in place; in eager PyTorch "
+            f"{self.paths[other]} would see that write part-way through the step, which a compiled "
+            "step cannot reproduce. Pass a copy (.clone()) of one of them, or do not donate "
+            f"{self.paths[donated]}."
+        )
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from the tensor's first element to just past its last (0 when empty)."""
+    if t.numel() == 0:
+        return 0
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size()
+
+
+def _overlaps(ptrs: list[int], extent: list[int]) -> list[tuple[int, int]]:
+    """Every pair of positions whose byte ranges overlap."""
+    ranges = sorted((ptrs[i], ptrs[i] + extent[i], i) for i in range(len(ptrs)) if extent[i])
+    pairs: list[tuple[int, int]] = []
+    open_: list[tuple[int, int]] = []  # (end, position) of ranges that may still overlap
+    for start, end, i in ranges:
+        open_ = [(e, j) for e, j in open_ if e > start]
+        pairs += [(j, i) for _, j in open_]
+        open_.append((end, i))
+    return pairs
+
+
+def copy_exactly(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in new memory with the same shape and strides (even for
+    overlapping or gapped views), so it matches the signature ``t`` matched."""
+    copy = t.clone(memory_format=torch.preserve_format)
+    if copy.stride() == t.stride():
+        return copy
+    span = _extent(t) // t.element_size()
+    raw = torch.as_strided(t, (span,), (1,)).clone()
+    return raw.as_strided(t.shape, t.stride(), 0)

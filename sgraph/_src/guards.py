@@ -1,0 +1,194 @@
+"""What a trace reads besides the tensor leaves, checked again on every call.
+
+A traced step bakes in Python state that is not among its arguments: global modes
+(grad mode, autocast, default dtype, backend switches that pick kernels) and the
+training flags of the modules its ``sg.functional`` apply functions run. Each is
+snapshotted when the step is traced and compared on every call; a difference makes
+the call miss the cache (and retrace under the retrace policy), and the retrace
+message names what changed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "GlobalState",
+    "ModuleFlags",
+    "global_state",
+    "describe_global_change",
+    "tracing",
+    "is_tracing",
+    "note_module",
+    "modules_in",
+]
+
+
+def _getter(name: str, *args: Any) -> Callable[[], Any] | None:
+    """A getter of a torch global, or None where this torch build lacks it."""
+    fn = getattr(torch._C, name, None) or getattr(torch, name, None)
+    if fn is None:
+        return None
+    return (lambda: fn(*args)) if args else fn
+
+
+def _autocast(device: str) -> list[tuple[str, Callable[[], Any] | None]]:
+    enabled = _getter("is_autocast_enabled", device)
+    dtype = _getter("get_autocast_dtype", device)
+    return [(f"autocast ({device})", lambda: bool(enabled()) and dtype()) if enabled and dtype else ("", None)]
+
+
+# (name for messages, getter): every global whose value changes which ops a trace
+# records or which kernels a captured graph runs.
+_GLOBALS: list[tuple[str, Callable[[], Any]]] = [
+    (name, get)
+    for name, get in [
+        ("grad mode", torch.is_grad_enabled),
+        ("inference mode", torch.is_inference_mode_enabled),
+        ("default dtype", torch.get_default_dtype),
+        *_autocast("cpu"),
+        *_autocast("cuda"),
+        ("deterministic algorithms", _getter("_get_deterministic_algorithms")),
+        ("TF32 matmuls (torch.backends.cuda.matmul.allow_tf32)", _getter("_get_cublas_allow_tf32")),
+        ("TF32 convolutions (torch.backends.cudnn.allow_tf32)", _getter("_get_cudnn_allow_tf32")),
+        ("reduced-precision fp16 matmul reductions", _getter("_get_cublas_allow_fp16_reduced_precision_reduction")),
+        ("reduced-precision bf16 matmul reductions", _getter("_get_cublas_allow_bf16_reduced_precision_reduction")),
+        ("torch.backends.cudnn.enabled", _getter("_get_cudnn_enabled")),
+        ("torch.backends.cudnn.deterministic", _getter("_get_cudnn_deterministic")),
+        ("torch.backends.mkldnn.enabled", _getter("_get_mkldnn_enabled")),
+        ("flash attention (torch.backends.cuda.flash_sdp_enabled)", _getter("_get_flash_sdp_enabled")),
+        ("memory-efficient attention", _getter("_get_mem_efficient_sdp_enabled")),
+        ("math attention", _getter("_get_math_sdp_enabled")),
+        ("cuDNN attention", _getter("_get_cudnn_sdp_enabled")),
+    ]
+    if get is not None
+]
+_GETTERS = [get for _, get in _GLOBALS]
+
+GlobalState = tuple
+"""One value per entry of ``_GLOBALS``, in order."""
+
+
+def global_state() -> GlobalState:
+    """The current values of every global a trace depends on (a few microseconds)."""
+    return tuple([get() for get in _GETTERS])
+
+
+def describe_global_change(old: GlobalState, new: GlobalState) -> list[str]:
+    """``["autocast (cuda) changed: off -> bfloat16", ...]`` for each global that differs."""
+    return [
+        f"{name} changed: {_show(a)} -> {_show(b)}" for (name, _), a, b in zip(_GLOBALS, old, new) if a != b
+    ]
+
+
+def _show(value: Any) -> str:
+    if value is True:
+        return "on"
+    if value is False:
+        return "off"
+    if isinstance(value, torch.dtype):
+        return str(value).replace("torch.", "")
+    return repr(value)
+
+
+# --------------------------------------------------------------------------- module flags
+
+
+@dataclass(frozen=True)
+class ModuleFlags:
+    """The training flags of every module a trace depended on, to compare on each call.
+
+    Attributes:
+        modules: the modules, each once (every submodule of each root).
+        names: how messages name each module, e.g. ``module 'encoder.drop' (Dropout)``.
+        flags: their ``training`` values when the step was traced.
+    """
+
+    modules: tuple[nn.Module, ...] = ()
+    names: tuple[str, ...] = ()
+    flags: tuple[bool, ...] = ()
+
+    @staticmethod
+    def of(roots: Iterable[nn.Module]) -> ModuleFlags:
+        """Snapshot the training flags of ``roots`` and all their submodules."""
+        seen: dict[int, tuple[nn.Module, str]] = {}
+        for root in roots:
+            for name, m in root.named_modules(remove_duplicate=True):
+                seen.setdefault(id(m), (m, _module_name(name, m)))
+        modules = tuple(m for m, _ in seen.values())
+        return ModuleFlags(modules, tuple(n for _, n in seen.values()), tuple(m.training for m in modules))
+
+    def now(self) -> ModuleFlags:
+        """The same modules with their training flags as they are now."""
+        return ModuleFlags(self.modules, self.names, tuple(m.training for m in self.modules))
+
+    def hold(self) -> bool:
+        """Whether every module still has the training flag it was traced with."""
+        return [m.training for m in self.modules] == list(self.flags)
+
+    def changes(self) -> list[str]:
+        """``["training mode of module 'drop' (Dropout) changed: train -> eval"]``."""
+        mode = {True: "train", False: "eval"}
+        return [
+            f"training mode of {name} changed: {mode[was]} -> {mode[m.training]}"
+            for m, name, was in zip(self.modules, self.names, self.flags)
+            if m.training != was
+        ]
+
+
+def _module_name(name: str, module: nn.Module) -> str:
+    return f"module {name!r} ({type(module).__name__})" if name else f"the root module ({type(module).__name__})"
+
+
+def modules_in(fn: Callable[..., Any], statics: Iterable[Any]) -> list[nn.Module]:
+    """Modules the step can read without calling an apply: static arguments (a method's
+    ``self``) and modules the function closes over or is bound to."""
+    found = [v for v in statics if isinstance(v, nn.Module)]
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, nn.Module):
+            found.append(value)
+    bound = getattr(fn, "__self__", None)
+    if isinstance(bound, nn.Module):
+        found.append(bound)
+    return found
+
+
+# --------------------------------------------------------------------------- trace context
+
+_local = threading.local()
+
+
+@contextmanager
+def tracing() -> Iterator[list[nn.Module]]:
+    """Mark this thread as tracing a step; yields the list that collects the modules
+    whose training flags the trace reads (see :func:`note_module`)."""
+    stack: list[list[nn.Module]] = _local.__dict__.setdefault("stack", [])
+    collected: list[nn.Module] = []
+    stack.append(collected)
+    try:
+        yield collected
+    finally:
+        stack.pop()
+
+
+def is_tracing() -> bool:
+    """Whether this thread is inside an sgraph trace."""
+    return bool(getattr(_local, "stack", None))
+
+
+def note_module(module: nn.Module) -> None:
+    """Record that the step being traced (if any, in this thread) runs ``module``."""
+    stack = getattr(_local, "stack", None)
+    if stack:
+        stack[-1].append(module)
