@@ -65,7 +65,7 @@ class AliasGuard:
         """
         if not self.donated:
             return tensors
-        ptrs = [t.data_ptr() for t in tensors]
+        ptrs = list(map(_data_ptr, tensors))
         ok = self._ok
         if ptrs == ok:
             return tensors
@@ -129,6 +129,9 @@ class AliasGuard:
             "step cannot reproduce. Pass a copy (.clone()) of one of them, or do not donate "
             f"{self.paths[donated]}."
         )
+
+
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _extent(t: torch.Tensor) -> int:

@@ -6,6 +6,7 @@ the passes; ``Compiled`` an executable for it, callable with the same arguments.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import time
 from collections.abc import Callable, Sequence
@@ -58,6 +59,13 @@ class CompiledStats:
     retraces: int
     trace_seconds: float
     lower_seconds: float
+
+    def __repr__(self) -> str:
+        fields = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            fields.append(f"{f.name}={value:.3g}" if isinstance(value, float) else f"{f.name}={value!r}")
+        return f"CompiledStats({', '.join(fields)})"
 
 
 class _Stage:
@@ -151,6 +159,11 @@ class Compiled(_Stage):
         traced = lowered.traced
         self._signature, self._layout, self._counters = traced.signature, traced.layout, traced.counters
         self._positions = [i for i, leaf in enumerate(self.program.inputs) if leaf.is_tensor]
+        outputs = self.program.outputs
+        # Output leaves in order: the graph's outputs as they are when every leaf is a
+        # tensor in graph order (the usual case), else a plan of (graph index, constant).
+        self._plain_outputs = all(o.graph_index == i for i, o in enumerate(outputs))
+        self._output_plan = [(o.graph_index, o.value) for o in outputs]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, structure = ArgFlattener().flatten(args, kwargs)
@@ -174,7 +187,9 @@ class Compiled(_Stage):
         """Run on the call's tensor leaves alone (already checked)."""
         outputs = self.executable(tensors)
         self.calls += 1
-        result = [outputs[cast(int, o.graph_index)] if o.is_tensor else o.value for o in self.program.outputs]
+        if self._plain_outputs:
+            return tree.unflatten(self.program.out_spec, outputs)
+        result = [value if i is None else outputs[i] for i, value in self._output_plan]
         return tree.unflatten(self.program.out_spec, result)
 
     @property

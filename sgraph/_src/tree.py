@@ -12,10 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
+import dataclasses
+
 import optree
 from optree import PyTreeSpec
 
-from .errors import TreeStructureError
+from .errors import ArgumentTypeError, TreeStructureError
 
 __all__ = [
     "NAMESPACE",
@@ -28,6 +30,7 @@ __all__ = [
     "paths",
     "map",
     "register_node",
+    "register_dataclass",
     "assert_same_structure",
 ]
 
@@ -120,6 +123,45 @@ def register_node(
     """
     # optree's stubs require a Collection class; at runtime any class registers.
     optree.register_pytree_node(cls, flatten_fn, unflatten_fn, namespace=NAMESPACE)  # type: ignore[arg-type]
+    return cls
+
+
+def register_dataclass(cls: type[T], /) -> type[T]:
+    """Register a dataclass as a container whose children are its fields.
+
+    Every field that ``__init__`` takes is a child, in declaration order; paths
+    name fields as attributes (``state.mu``). Works as a decorator.
+
+    Raises:
+        ArgumentTypeError: ``cls`` is not a dataclass.
+
+    Example:
+        >>> @sg.tree.register_dataclass
+        ... @dataclasses.dataclass
+        ... class State:
+        ...     mu: torch.Tensor
+        ...     step: int
+    """
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise ArgumentTypeError(
+            f"sg.tree.register_dataclass: expected a dataclass type; found {cls!r}. "
+            "Decorate the class with @dataclasses.dataclass first, or use sg.tree.register_node."
+        )
+    names = tuple(f.name for f in dataclasses.fields(cls) if f.init)
+
+    def flatten_fn(obj: Any) -> tuple[list[Any], None, tuple[str, ...]]:
+        return [getattr(obj, n) for n in names], None, names
+
+    def unflatten_fn(_: Any, children: Iterable[Any]) -> T:
+        return cls(**dict(zip(names, children)))
+
+    optree.register_pytree_node(
+        cls,  # type: ignore[arg-type]
+        flatten_fn,  # type: ignore[arg-type]
+        unflatten_fn,
+        path_entry_type=optree.GetAttrEntry,
+        namespace=NAMESPACE,
+    )
     return cls
 
 

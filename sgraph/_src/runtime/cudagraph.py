@@ -14,10 +14,15 @@ handles and workspaces get made outside the capture), then captures; later calls
 replay. Before each replay the donated inputs' addresses are compared with those the graph
 was captured for; a replaced tensor makes the graph capture again (or raise, under
 ``retrace="error"``) rather than run on memory the user no longer passes.
+
+A failed capture leaves the process as it was: the current stream, the capture
+mode and the CUDA RNG state are restored, whatever raised. Calls from several
+threads take turns (the graph's static buffers are shared).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -57,16 +62,18 @@ class CudaGraphExecutable:
         self.captures = 0
         self.kernel_launches: int | None = None
         self.capture_seconds: float | None = None
+        self._lock = threading.Lock()
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        if self.uncaptured:
-            return self._run_eagerly(inputs, torch.cuda.current_stream())
-        if self.graph is None or self._donated_moved(inputs):
-            return self._run_then_capture(inputs)
-        if self.static_inputs:
-            torch._foreach_copy_(list(self.static_inputs.values()), [inputs[i] for i in self.static_inputs])
-        self.graph.replay()
-        return self._outputs(inputs)
+        with self._lock:
+            if self.uncaptured:
+                return self._run_eagerly(inputs, torch.cuda.current_stream())
+            if self.graph is None or self._donated_moved(inputs):
+                return self._run_then_capture(inputs)
+            if self.static_inputs:
+                torch._foreach_copy_(self.static_buffers, [inputs[i] for i in self.static_inputs])
+            self.graph.replay()
+            return self._outputs(inputs)
 
     def _outputs(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         results = list(self.static_outputs)
@@ -77,9 +84,9 @@ class CudaGraphExecutable:
         return results
 
     def _donated_moved(self, inputs: Sequence[torch.Tensor]) -> bool:
-        moved = [i for i in self.donated if inputs[i].data_ptr() != self.donated_ptrs[i]]
-        if not moved:
+        if [inputs[i].data_ptr() for i in self.donated] == self.donated_ptrs:
             return False
+        moved = [i for i, ptr in zip(self.donated, self.donated_ptrs) if inputs[i].data_ptr() != ptr]
         path = self.program.tensor_inputs[moved[0]].path
         message = (
             f"{self.program.name}: donated input {path} is not the tensor the CUDA graph was captured "
@@ -105,11 +112,14 @@ class CudaGraphExecutable:
         self.graph = None
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        results = self._run_eagerly(inputs, stream)
         try:
-            self._capture(inputs, stream)
-        except CaptureError as error:
-            self._give_up_capturing(error)
+            results = self._run_eagerly(inputs, stream)
+            rng = torch.cuda.get_rng_state()
+            try:
+                self._capture(inputs, stream)
+            except CaptureError as error:
+                torch.cuda.set_rng_state(rng)  # a failed capture drew no real numbers
+                self._give_up_capturing(error)
         finally:
             torch.cuda.current_stream().wait_stream(stream)
         self.capture_seconds = time.perf_counter() - start
@@ -140,21 +150,49 @@ class CudaGraphExecutable:
     def _capture(self, inputs: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None:
         donated = set(self.donated)
         self.static_inputs = {i: t.detach().clone() for i, t in enumerate(inputs) if i not in donated}
+        self.static_buffers = list(self.static_inputs.values())
         graph_inputs = [self.static_inputs.get(i, t) for i, t in enumerate(inputs)]
-        self.donated_ptrs = {i: inputs[i].data_ptr() for i in self.donated}
+        self.donated_ptrs = [inputs[i].data_ptr() for i in self.donated]
         graph, kept = new_graph()
         recorder = _NamingInterpreter(self.program)
-        try:
-            with torch.no_grad(), torch.cuda.graph(graph, stream=stream):
-                outputs = list(recorder.run(*graph_inputs))
-                write_back(graph_inputs, outputs, self.aliases)
-        except Exception as error:
-            raise recorder.capture_error(error) from error
+        outputs: list[torch.Tensor] = []
+        failure = _captured(graph, stream, lambda: outputs.extend(_record(recorder, graph_inputs, self.aliases)))
+        if failure is not None:
+            raise recorder.capture_error(failure) from failure
         if kept:
             graph.instantiate()
         self.graph, self.static_outputs = graph, outputs
         self.captures += 1
         self.kernel_launches = count_kernels(graph, kept)
+
+
+def _record(recorder: _NamingInterpreter, inputs: list[torch.Tensor], aliases: Any) -> list[torch.Tensor]:
+    outputs = list(recorder.run(*inputs))
+    write_back(inputs, outputs, aliases)
+    return outputs
+
+
+def _captured(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, body: Any) -> BaseException | None:
+    """Capture ``body()`` into ``graph`` on ``stream``; return what raised, if anything.
+
+    Unlike ``torch.cuda.graph``, the capture always ends and the previous stream is
+    always current again, even when the body or the end of the capture raises.
+    Other threads may use the GPU meanwhile (thread-local capture mode).
+    """
+    failure: BaseException | None = None
+    torch.cuda.synchronize()
+    with torch.no_grad(), torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            body()
+        except Exception as error:
+            failure = error
+        finally:
+            try:
+                graph.capture_end()
+            except Exception as error:
+                failure = failure or error
+    return failure
 
 
 class _NamingInterpreter(torch.fx.Interpreter):

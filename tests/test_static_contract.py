@@ -1,0 +1,290 @@
+"""Nothing escapes a trace, nesting works or raises, threads, and errors that teach."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import sgraph as sg
+
+# --------------------------------------------------------------------------- nothing escapes
+
+
+@dataclasses.dataclass
+class Box:
+    value: torch.Tensor
+    tag: str = "box"
+
+
+class TensorList(list):
+    pass
+
+
+@pytest.mark.parametrize(
+    "make, where",
+    [
+        (lambda x: Box(x + 1), "result.value, inside a Box"),
+        (lambda x: (x, TensorList([x * 2])), "result[1][0], inside a TensorList"),
+        (lambda x: {"out": Box(x)}, "result['out'].value, inside a Box"),
+    ],
+)
+def test_a_tensor_returned_inside_an_unregistered_object_raises_naming_the_path(make, where):
+    with pytest.raises(sg.CaptureError, match=re.escape(f"returns a tensor at {where}")) as info:
+        sg.static(make)(torch.ones(2))
+    assert "sg.tree.register_dataclass" in str(info.value)
+
+
+def test_a_tensor_passed_inside_an_unregistered_object_raises_naming_the_path():
+    with pytest.raises(sg.ArgumentTypeError, match=re.escape("cfg.value is a tensor inside a Box")):
+        sg.static(lambda x, cfg: x * cfg.value)(torch.ones(2), Box(torch.ones(2)))
+
+
+def test_a_registered_dataclass_goes_in_and_out():
+    @sg.tree.register_dataclass
+    @dataclasses.dataclass
+    class State:
+        mu: torch.Tensor
+        count: int
+
+    step = sg.static(lambda s, g: State(s.mu * 0.9 + g, s.count + 1), retrace="allow")
+    out = step(State(torch.ones(2), 0), torch.ones(2))
+    assert isinstance(out, State) and out.count == 1 and torch.allclose(out.mu, torch.full((2,), 1.9))
+    assert sg.tree.flatten_with_paths(out, prefix="state")[0] == ["state.mu", "state.count"]
+
+
+# --------------------------------------------------------------------------- nesting
+
+
+def square_sum(x):
+    return (x * x).sum()
+
+
+def test_grad_of_a_static_step_raises_instead_of_returning_zeros():
+    with pytest.raises(sg.UnsupportedError, match=r"sg.grad\(sg.static\(f\)\) is not supported"):
+        sg.grad(sg.static(square_sum))(torch.ones(3))
+
+
+@pytest.mark.parametrize("transform", [torch.func.grad, torch.func.vmap])
+def test_torch_func_around_a_static_step_raises(transform):
+    with pytest.raises(sg.UnsupportedError, match="torch.func transform"):
+        transform(sg.static(lambda x: (x * x).sum()))(torch.ones(3))
+
+
+def test_torch_func_inside_a_static_step_works():
+    x = torch.arange(6.0).reshape(2, 3)
+    assert torch.equal(sg.static(torch.func.vmap(square_sum))(x), torch.func.vmap(square_sum)(x))
+    assert torch.equal(sg.static(torch.func.grad(square_sum))(x), 2 * x)
+    assert torch.equal(sg.static(sg.grad(square_sum))(x), 2 * x)
+
+
+def test_a_static_step_called_inside_another_is_part_of_it():
+    inner = sg.static(lambda x: x.sin() * 2)
+    outer = sg.static(lambda x: inner(x) + 1)
+    x = torch.arange(3.0)
+    assert torch.equal(outer(x), x.sin() * 2 + 1)
+    assert inner.trace_count == 0 and outer.trace_count == 1
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    owned = not dist.is_initialized()
+    if owned:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    if owned:
+        dist.destroy_process_group()
+
+
+def test_dtensor_inputs_raise_unsupported_saying_what_works(mesh):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    w = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+    with pytest.raises(sg.UnsupportedError, match=re.escape("params['w'] is a DTensor")):
+        sg.static(lambda params: {"w": params["w"] * 2})({"w": w})
+
+
+# --------------------------------------------------------------------------- threads
+
+
+def test_threads_making_the_first_call_at_once_trace_once():
+    step = sg.static(lambda x: x.sin() * 2)
+    others = [sg.static(lambda x, k=k: x * k) for k in range(3)]
+    barrier, errors, results = threading.Barrier(7), [], []
+
+    def call(f, k):
+        try:
+            barrier.wait()
+            results.append((f(torch.full((3,), float(k))), k, f))
+        except Exception as e:  # collected and asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(step, k)) for k in range(4)]
+    threads += [threading.Thread(target=call, args=(f, k)) for k, f in enumerate(others)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert step.trace_count == 1 and all(f.trace_count == 1 for f in others)
+    for out, k, f in results:
+        assert torch.equal(out, f.fn(torch.full((3,), float(k))))
+
+
+def test_tracing_does_not_patch_what_other_threads_call():
+    original = torch.cuda.synchronize
+    inside, release, seen = threading.Event(), threading.Event(), []
+
+    def slow(x):
+        inside.set()
+        release.wait(5)
+        return x + 1
+
+    worker = threading.Thread(target=lambda: sg.static(slow)(torch.ones(1)))
+    worker.start()
+    inside.wait(5)
+    seen.append(torch.cuda.synchronize)
+    release.set()
+    worker.join()
+    assert torch.cuda.synchronize is original and all(f is original for f in seen)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def two(x, y):
+    return x + y
+
+
+@pytest.mark.parametrize(
+    "call, text",
+    [
+        (lambda f: f(torch.ones(1)), "missing a required argument: 'y'"),
+        (lambda f: f(torch.ones(1), torch.ones(1), z=1), "got an unexpected keyword argument 'z'"),
+    ],
+)
+def test_a_call_python_would_reject_raises_its_type_error(call, text):
+    step = sg.static(two, retrace="error")
+    with pytest.raises(TypeError, match=re.escape(text)) as first:
+        call(step)
+    step(torch.ones(1), torch.ones(1))
+    with pytest.raises(TypeError, match=re.escape(text)) as later:
+        call(step)
+    assert not isinstance(first.value, sg.SgraphError) and not isinstance(later.value, sg.SgraphError)
+
+
+@pytest.mark.parametrize(
+    "make, error, text",
+    [
+        (lambda: sg.static(two, donate=2), sg.ArgumentError, "donate position 2 is beyond the 2 positional"),
+        (lambda: sg.static(two, donate=1.5), sg.ArgumentTypeError, "donate must be an argument name"),
+        (lambda: sg.static(two, donat=0), sg.ArgumentTypeError, "unknown option donat=0; its options are"),
+        (lambda: sg.grad(square_sum, argnums=1.0), sg.ArgumentTypeError, "argnums must be an int or a tuple"),
+        (lambda: sg.static(two, retrace="never"), sg.ArgumentError, "retrace='never' is not one of"),
+    ],
+)
+def test_option_errors_name_the_option(make, error, text):
+    with pytest.raises(error, match=re.escape(text)):
+        make()
+
+
+def test_unknown_option_suggests_the_closest():
+    with pytest.raises(TypeError, match=re.escape("Did you mean donate=?")):
+        sg.static(donat=0)
+
+
+def test_an_unhashable_static_leaf_is_named_by_its_path():
+    step = sg.static(lambda x, cfg: x)
+    with pytest.raises(TypeError, match=re.escape("cfg['opts'] is a set")):
+        step(torch.ones(1), {"opts": {1, 2}})
+
+
+def test_a_retrace_names_the_new_key_in_one_line():
+    params = {f"layer{i}.weight": torch.zeros(2) for i in range(200)}
+    step = sg.static(lambda p: {k: v + 1 for k, v in p.items()})
+    step(params)
+    with pytest.warns(sg.RetraceWarning) as record:
+        step({**params, "extra": torch.zeros(2)})
+    message = str(record[0].message)
+    assert "because p['extra'] is new." in message and len(message) < 400
+
+
+def test_a_retrace_compares_with_the_nearest_cached_signature():
+    step = sg.static(lambda x, y: x * y)
+    step(torch.ones(8), torch.ones(8))
+    with pytest.warns(sg.RetraceWarning):
+        step(torch.ones(4), torch.ones(4))
+    with pytest.warns(sg.RetraceWarning) as record:
+        step(torch.ones(8), torch.ones(8, dtype=torch.float64))  # one leaf away from the first call
+    message = str(record[0].message)
+    assert "because y: f32[8] -> f64[8]." in message and "x:" not in message
+
+
+# --------------------------------------------------------------------------- methods and reprs
+
+
+class Trainer:
+    def __init__(self, scale):
+        self.scale = scale
+
+    @sg.static(donate="params")
+    def step(self, params, x):
+        return {"w": params["w"] - self.scale * x}
+
+
+def test_static_on_a_method_binds_each_instance():
+    a, b = Trainer(0.5), Trainer(2.0)
+    pa, pb = {"w": torch.ones(2)}, {"w": torch.ones(2)}
+    original = pa["w"]
+    for _ in range(2):
+        pa = a.step(pa, torch.ones(2))
+        pb = b.step(pb, torch.ones(2))
+    assert torch.equal(pa["w"], torch.zeros(2)) and torch.equal(pb["w"], torch.full((2,), -3.0))
+    assert pa["w"] is original  # donated by name, as for a function
+    assert a.step.trace_count == 1 and b.step.trace_count == 1
+    assert isinstance(Trainer.step, sg.Transformed)
+
+
+def test_a_module_method_is_guarded_on_its_training_flag():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.drop = nn.Dropout(0.5)
+
+        @sg.static(retrace="allow")
+        def run(self, x):
+            return self.drop(x)
+
+    net, x = Net(), torch.ones(100)
+    assert not torch.equal(net.run(x), x)
+    net.eval()
+    assert torch.equal(net.run(x), x)
+
+
+def test_reprs_show_options_and_round_numbers():
+    step = sg.static(two, donate="x", retrace="allow")
+    assert repr(step) == "<sg.static(two) donate=('x',) retrace='allow': 0 compiled signatures, 0 traces>"
+    step(torch.ones(1), torch.ones(1))
+    stats = repr(step.last_compiled.stats)
+    assert re.search(r"trace_seconds=\d\.\d+(e-\d+)?[,)]", stats) and len(stats) < 200
+
+
+def test_a_fallen_back_step_says_so():
+    @sg.static(fallback="eager")
+    def step(x):
+        return x * 2 if x.sum() > 0 else x
+
+    with pytest.warns(sg.FallbackWarning):
+        step(torch.ones(2))
+    assert "fell back to eager" in repr(step)
+    with pytest.raises(sg.CaptureError, match="runs eagerly since it could not be captured"):
+        step.last_compiled  # noqa: B018

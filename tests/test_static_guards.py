@@ -1,0 +1,145 @@
+"""Python state a trace reads is part of the signature: a change retraces or raises, never reuses."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+
+import sgraph as sg
+
+
+def dropout_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+
+
+def test_eval_after_train_retraces_naming_the_module_and_matches_eager():
+    model = dropout_model()
+    apply, params, _ = sg.functional(model)
+    step = sg.static(lambda p, x: apply(p, {}, x))
+    x = torch.ones(64, 4)
+    step(params, x)
+    model.eval()
+    with pytest.warns(sg.RetraceWarning, match=re.escape("training mode of module '1' (Dropout) changed: train -> eval")):
+        out = step(params, x)
+    assert torch.equal(out, model(x))
+    model.train()
+    step(params, x)  # the train-mode program is still cached
+    assert step.trace_count == 2
+
+
+def test_mode_switch_under_retrace_error_raises():
+    model = dropout_model()
+    apply, params, _ = sg.functional(model)
+    step = sg.static(lambda p, x: apply(p, {}, x), retrace="error")
+    step(params, torch.ones(2, 4))
+    model.eval()
+    with pytest.raises(sg.RetraceError, match="training mode of"):
+        step(params, torch.ones(2, 4))
+
+
+@pytest.mark.parametrize(
+    "context, text",
+    [
+        (torch.no_grad, "grad mode changed: on -> off"),
+        (lambda: torch.autocast("cpu", dtype=torch.bfloat16), "autocast (cpu) changed: off -> bfloat16"),
+    ],
+)
+def test_a_global_mode_at_call_time_retraces_and_gives_the_eager_result(context, text):
+    def f(a, b):
+        return a @ b
+
+    step = sg.static(f)
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    step(a, b)
+    with context(), pytest.warns(sg.RetraceWarning, match=re.escape(text)):
+        out = step(a, b)
+    with context():
+        expected = f(a, b)
+    assert out.dtype == expected.dtype and torch.equal(out, expected)
+
+
+def test_default_dtype_is_part_of_the_signature():
+    step = sg.static(lambda x: x + torch.ones(2), retrace="allow")
+    assert step(torch.zeros(2, dtype=torch.float64)).dtype == torch.float64
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert step(torch.zeros(2, dtype=torch.float64)).dtype == torch.float64
+        assert step.trace_count == 2
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def test_grad_under_an_outer_no_grad_computes_gradients():
+    def loss(w):
+        return (w * w).sum()
+
+    with torch.no_grad():
+        g = sg.grad(loss)(torch.arange(3.0))
+        value, g2 = sg.value_and_grad(loss)(torch.arange(3.0))
+        traced = sg.static(sg.grad(loss))(torch.arange(3.0))
+    assert torch.equal(g, torch.tensor([0.0, 2.0, 4.0])) and torch.equal(g2, g) and torch.equal(traced, g)
+    assert float(value) == 5.0
+
+
+def test_dict_key_order_is_part_of_the_signature():
+    step = sg.static(lambda p: torch.cat(list(p.values())))
+    w, b = torch.zeros(1), torch.ones(1)
+    assert torch.equal(step({"w": w, "b": b}), torch.tensor([0.0, 1.0]))
+    with pytest.warns(sg.RetraceWarning, match=re.escape("the key order of p changed: ['w', 'b'] -> ['b', 'w']")):
+        assert torch.equal(step({"b": b, "w": w}), torch.tensor([1.0, 0.0]))
+    assert torch.equal(step({"w": w, "b": b}), torch.tensor([0.0, 1.0]))
+    assert step.trace_count == 2
+
+
+def test_outputs_keep_the_key_order_eager_gives():
+    step = sg.static(lambda p: {k: v * 2 for k, v in p.items()}, retrace="allow")
+    for keys in (["w", "b", "a"], ["b", "a", "w"]):
+        out = step({k: torch.ones(1) for k in keys})
+        assert list(out) == keys
+
+
+def test_negative_zero_is_not_zero_and_nan_does_not_retrace():
+    step = sg.static(lambda x, s: x / s, retrace="allow")
+    assert torch.equal(step(torch.ones(1), 0.0), torch.tensor([float("inf")]))
+    assert torch.equal(step(torch.ones(1), -0.0), torch.tensor([float("-inf")]))
+    nan = sg.static(lambda x, s: x * s, retrace="error")
+    nan(torch.ones(1), float("nan"))
+    assert torch.isnan(nan(torch.ones(1), float("nan"))).all()
+
+
+def test_static_int_bool_and_float_of_equal_value_are_different_signatures():
+    step = sg.static(lambda x, s: x * s, retrace="allow")
+    x = torch.ones(2, dtype=torch.int64)
+    assert step(x, True).dtype == (x * True).dtype
+    assert step(x, 1).dtype == (x * 1).dtype
+    assert step(x, 1.0).dtype == (x * 1.0).dtype
+    assert step.trace_count == 3
+
+
+def test_a_step_that_changes_the_global_rng_state_raises():
+    def step(x):
+        torch.manual_seed(0)
+        return x + torch.rand(2)
+
+    state = torch.get_rng_state()
+    with pytest.raises(sg.CaptureError, match="global RNG state"):
+        sg.static(step)(torch.ones(2))
+    assert torch.equal(torch.get_rng_state(), state)  # restored, as before the call
+
+
+def test_batchnorm_train_and_eval_each_match_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    apply, params, buffers = sg.functional(model)
+    step = sg.static(lambda p, b, x: apply(p, b, x), retrace="allow")
+    x = torch.randn(8, 3)
+    out, new_buffers = step(params, {k: v.clone() for k, v in buffers.items()}, x)
+    assert torch.equal(out, model(x))  # train mode: batch statistics; updates the model's own buffers
+    model.eval()
+    out, _ = step(params, new_buffers, x)
+    assert torch.equal(out, model(x))  # eval mode: the running statistics
