@@ -50,7 +50,7 @@ def test_every_op_node_has_a_user_source():
 def test_lower_runs_the_passes_and_compile_is_callable():
     params, batch = args()
     lowered = sg.static(step, donate="params").trace(params, batch).lower()
-    assert lowered.program.passes == ("cleanup", "simplify", "donation", "reinplace")
+    assert lowered.program.passes == ("replay", "cleanup", "simplify", "donation", "reinplace")
     assert not any(n.target is torch.ops.aten.detach.default for n in lowered.program.ops())
     assert "(written into donated input params['w'])" in lowered.as_text()
     compiled = lowered.compile()

@@ -25,6 +25,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import guards, tree
 from .capture import SOURCE_KEY, GuardMode, Source, SourceMode, no_host_sync
+from .cudnn_rnn import CudnnRnnGuard
 from .errors import CaptureError
 from .hidden import find_hidden_tensor
 from .program import LeafInfo, Program, alias_root, placeholders, returned, written_args
@@ -172,7 +173,7 @@ def _flat_step(
         for i, t in zip(positions, tensors):
             full[i] = t
         args, kwargs = tree.unflatten(in_spec, full)
-        with GuardMode(api), SourceMode(api):
+        with GuardMode(api), CudnnRnnGuard(api), SourceMode(api):
             out = fn(*bound, *args, **kwargs)
         out_leaves, result["spec"] = tree.flatten(out)
         result["leaves"] = out_leaves

@@ -1,7 +1,7 @@
 """The one place that orders the passes.
 
 Whatever order the user stacks the decorators in, a step is lowered the same way:
-cleanup and algebraic folds, then (as they land) sharding, fusion and memory planning, then donation,
+kernel fixes (replay), cleanup and algebraic folds, then (as they land) sharding, fusion and memory planning, then donation,
 which must see the final outputs, then reinplacing, which makes the graph write
 donated outputs straight into their inputs and so must come last.
 """
@@ -13,6 +13,7 @@ from ..program import Program
 from .cleanup import cleanup
 from .donation import donation
 from .reinplace import reinplace
+from .replay import replay
 from .simplify import simplify
 
 __all__ = ["lower"]
@@ -23,9 +24,9 @@ def lower(program: Program, options: Options) -> Program:
 
     Example:
         >>> lower(traced_program, options).passes
-        ('cleanup', 'simplify', 'donation', 'reinplace')
+        ('replay', 'cleanup', 'simplify', 'donation', 'reinplace')
     """
     del options  # read by the sharding, fusion and memory passes as they land
-    program = simplify(cleanup(program))
+    program = simplify(cleanup(replay(program)))
     program = donation(program)
     return reinplace(program)

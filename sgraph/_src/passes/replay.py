@@ -1,0 +1,138 @@
+"""Make kernels replay as they ran while the step was traced.
+
+A traced graph is replayed under ``torch.no_grad()`` from what fake (meta) kernels
+said each op returns. Three kinds of ATen op break that, each listed in a table
+below; ``nn.LSTM`` on CPU (oneDNN's ``aten.mkldnn_rnn_layer``) hits all three:
+
+- Its kernel reads the thread-local grad mode instead of an argument: the forward
+  saves the workspace its backward needs only when grad mode is on, so under
+  ``no_grad`` the backward fails on an undefined workspace. Where the graph reads
+  that output, the op becomes an ``sgraph::<op>_grad_enabled`` twin of the same
+  schema, which runs the ATen kernel with grad mode on (a thread-local switch,
+  scoped to the call) on detached inputs (so no autograd graph is recorded).
+- Its meta kernel returns one tensor for two outputs: the backward's meta returns
+  ``diff_b`` for both bias gradients (the kernel returns a clone), so tracing can
+  record both as one node and the step returns one tensor object for two leaves.
+  When one such output is returned more than once and the other is read by
+  nothing, its first return reads the other.
+- Its meta kernel gives another dtype than the kernel: the backward computes in
+  float32, but torch 2.11's meta keeps the input's dtype, so for bf16 the trace
+  records no cast and the step would return float32 gradients. A cast to the
+  traced dtype, the one autograd applies in eager, goes after each such output.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any, cast
+
+import torch
+import torch.fx
+
+from ..program import Program, output_node, returned
+
+__all__ = ["replay"]
+
+Node = torch.fx.Node
+aten = torch.ops.aten
+
+# op -> index of the output its kernel makes only under grad mode (what backward reads).
+_GRAD_MODE_STATE: dict[torch._ops.OpOverload, int] = {aten.mkldnn_rnn_layer.default: 3}
+
+# op -> output pairs its meta kernel returns as one tensor, its real kernel as two.
+_SHARED_FAKE_OUTPUTS: dict[torch._ops.OpOverload, tuple[tuple[int, int], ...]] = {
+    aten.mkldnn_rnn_layer_backward.default: ((3, 4),),
+}
+
+# op -> the dtype its real kernel gives every output, whatever its meta kernel says.
+_REAL_DTYPE: dict[torch._ops.OpOverload, torch.dtype] = {aten.mkldnn_rnn_layer_backward.default: torch.float32}
+
+_LIB = torch.library.Library("sgraph", "FRAGMENT")
+
+
+def replay(program: Program) -> Program:
+    """Rewrite ops whose traced form would not replay as traced (see the module).
+
+    Returns:
+        A Program over a new graph module; the input's graph is untouched.
+        Idempotent.
+
+    Example:
+        >>> [str(n.target) for n in replay(lstm_program).ops() if "rnn_layer" in str(n.target)]
+        ['sgraph.mkldnn_rnn_layer_grad_enabled.default', 'aten.mkldnn_rnn_layer_backward.default']
+    """
+    gm = program.copy_graph_module()
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in _GRAD_MODE_STATE and _items(node).get(_GRAD_MODE_STATE[node.target]) is not None:
+            node.target = _grad_enabled(node.target)
+        for pair in _SHARED_FAKE_OUTPUTS.get(node.target, ()):
+            _split(graph, node, pair)
+        if node.target in _REAL_DTYPE:
+            _cast_to_traced_dtypes(graph, node, _REAL_DTYPE[node.target])
+    gm.recompile()
+    return program.replace(graph_module=gm, passes=program.passes + ("replay",))
+
+
+def _items(op: Node) -> dict[int, Node]:
+    """``op``'s getitem nodes that something reads, by output index."""
+    return {cast(int, u.args[1]): u for u in op.users if u.target is operator.getitem and u.users}
+
+
+@functools.cache
+def _grad_enabled(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
+    """``sgraph::<name>_grad_enabled``: ``op``'s schema, run with grad mode on."""
+    name = f"{op._schema.name.split('::')[1]}_grad_enabled"
+    _LIB.define(name + "(" + str(op._schema).split("(", 1)[1])
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs))
+        with torch.enable_grad():
+            return op(*args, **kwargs)
+
+    # CompositeExplicitAutograd serves every backend, Meta (so fake tensors) included.
+    _LIB.impl(name, run, "CompositeExplicitAutograd")
+    return getattr(torch.ops.sgraph, name).default
+
+
+def _split(graph: torch.fx.Graph, op: Node, pair: tuple[int, int]) -> None:
+    values = returned(graph)
+    items = _items(op)
+    for mine, other in (pair, pair[::-1]):
+        item = items.get(mine)
+        if item is None or other in items or sum(v is item for v in values) < 2:
+            continue
+        with graph.inserting_after(item):
+            twin = graph.call_function(operator.getitem, (op, other))
+        twin.meta = dict(item.meta)
+        values[next(i for i, v in enumerate(values) if v is item)] = twin
+        output_node(graph).args = (values,)
+        return
+
+
+def _cast_to_traced_dtypes(graph: torch.fx.Graph, op: Node, real: torch.dtype) -> None:
+    for item in _items(op).values():
+        val = item.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dtype != real:
+            _insert_cast(graph, item, val.dtype)
+            item.meta["val"] = _retyped(val, real)
+
+
+def _insert_cast(graph: torch.fx.Graph, item: Node, dtype: torch.dtype) -> None:
+    """Make every reader of ``item`` read it cast to ``dtype``."""
+    with graph.inserting_after(item):
+        converted = graph.call_function(aten._to_copy.default, (item,), {"dtype": dtype})
+    converted.meta = dict(item.meta)
+    item.replace_all_uses_with(converted, delete_user_cb=lambda user: user is not converted)
+
+
+def _retyped(val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``val``'s metadata with another dtype, made in ``val``'s own fake mode."""
+    mode = getattr(val, "fake_mode", None)
+    if mode is None:
+        return torch.empty_strided(val.shape, val.stride(), dtype=dtype, device="meta")
+    with mode:
+        return torch.empty_strided(val.shape, val.stride(), dtype=dtype, device=val.device)
