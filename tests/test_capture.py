@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import traceback
 
 import pytest
 import torch
@@ -56,16 +57,60 @@ def synchronizes(x):
     return x
 
 
+def indexes_with_a_count(x):
+    return x[(x > 0).sum()]
+
+
+def slices_to_a_count(x):
+    n = (x > 0).sum()
+    return x[:n]
+
+
+def aranges_to_a_count(x):
+    n = (x > 0).sum()
+    return torch.arange(n)
+
+
+def repeats_a_count(x):
+    n = (x > 0).sum()
+    return x.repeat(n)
+
+
+def reads_data_ptr(x):
+    return x * (x.data_ptr() % 2)
+
+
+def reads_untyped_storage(x):
+    y = x * 2
+    return y, y.untyped_storage()
+
+
+def reads_storage(x):
+    return x, x.storage()
+
+
 CASES = [
     (uses_item, "y + y.sum().item()", r"Tensor\.item\(\) reads a tensor's value on the host", "torch.where"),
-    # make_fx turns .tolist() into .item() calls before any mode sees it.
-    (uses_tolist, "torch.tensor(x.tolist())", r"Tensor\.item\(\) reads a tensor's value", "return what you want"),
+    # FakeTensor.tolist calls .item() in Python; the message still names .tolist().
+    (uses_tolist, "torch.tensor(x.tolist())", r"Tensor\.tolist\(\) copies a tensor to a Python list", "return what"),
     (branches_on_value, "if x.sum() > 0:", r"Python control flow \(bool\(tensor\)\)", r"torch\.where\(cond, a, b\)"),
     (prints, "print(x)", r"printing a tensor", "print it after the call"),
     (formats, 'f"{x.sum():.3f}"', r"printing a tensor \(Tensor\.__format__\)", "print it after the call"),
     (masks, "x[x > 0].sum()", r"depends on tensor data", r"torch\.where\(mask, x, 0\)"),
     (nonzero, "torch.nonzero(x)", r"aten\.nonzero\.default on \(f32\[4\]\)", "fixed-shape"),
     (synchronizes, "torch.cuda.synchronize()", r"torch\.cuda\.synchronize\(\)", "Remove it from the step"),
+    (indexes_with_a_count, "x[(x > 0).sum()]", r"indexing x\[\.\.\.\] \(Tensor\.__getitem__\)", r"x\.index_select"),
+    (
+        slices_to_a_count,
+        "return x[:n]",
+        r"Tensor\.__getitem__\) at .* depends on tensor data",
+        r"arange\(len\(x\)\) < n",
+    ),
+    (aranges_to_a_count, "torch.arange(n)", r"aten\.arange\.default at .* depends on tensor data", "fixed-shape"),
+    (repeats_a_count, "x.repeat(n)", r"aten\.repeat\.default on \(f32\[4\]\) at", r"x\.index_select\(0, i\)"),
+    (reads_data_ptr, "x.data_ptr()", r"Tensor\.data_ptr\(\) reads a memory address", "compare or inspect"),
+    (reads_untyped_storage, "y.untyped_storage()", r"Tensor\.untyped_storage\(\) reads a tensor's storage", "Remove"),
+    (reads_storage, "x.storage()", r"Tensor\.storage\(\) reads .* no meaning while the step is traced", "Remove"),
 ]
 
 
@@ -79,6 +124,62 @@ def test_contract_violation_raises_with_op_line_and_fix(fn, text, what, fix):
     assert re.search(what, message), message
     assert re.search(line_of(fn, text), message), message
     assert re.search(fix, message), message
+
+
+def test_data_dependent_error_carries_no_torch_internals():
+    with pytest.raises(sg.CaptureError) as info:
+        sg.static(slices_to_a_count)(torch.randn(4))
+    shown = "".join(traceback.format_exception(info.value))
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    assert "GuardOnDataDependentSymNode" not in shown and "TORCH_LOGS" not in shown, shown
+
+
+def host_tolist_2d(x):
+    return x.reshape(2, 2).tolist()
+
+
+def host_numpy(x):
+    return x.numpy()
+
+
+def host_int(x):
+    return int(x.sum())
+
+
+def host_float(x):
+    return float(x.sum())
+
+
+def host_bool(x):
+    return bool(x.sum())
+
+
+def host_if(x):
+    if x.sum():
+        return x
+    return -x
+
+
+def host_item(x):
+    return x.sum().item()
+
+
+HOST_CALLS = [
+    (host_tolist_2d, ".tolist()", "Tensor.tolist()"),
+    (host_numpy, ".numpy()", "Tensor.numpy()"),
+    (host_int, "return int(", "Tensor.__int__()"),
+    (host_float, "return float(", "Tensor.__float__()"),
+    (host_bool, "return bool(", "Tensor.__bool__()"),
+    (host_if, "if x.sum():", "Tensor.__bool__()"),
+    (host_item, ".item()", "Tensor.item()"),
+]
+
+
+@pytest.mark.parametrize("fn, text, name", HOST_CALLS, ids=[c[0].__name__ for c in HOST_CALLS])
+def test_each_host_read_names_itself(fn, text, name):
+    pattern = rf"^sg\.static\({fn.__name__}\): {re.escape(name)} .* at {line_of(fn, text)}, "
+    with pytest.raises(sg.CaptureError, match=pattern):
+        sg.static(fn)(torch.randn(4))
 
 
 def mutates_input(params, x):

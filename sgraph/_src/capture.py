@@ -1,138 +1,190 @@
-"""The capture contract, enforced while a step is traced, and source lines for nodes.
+"""The capture contract, enforced while a step is traced.
 
 Two modes sit on top of ``make_fx``'s own while the user's step runs:
 
 - :class:`GuardMode` (a torch-function mode) sees Python-level tensor calls. It
-  rejects those that need a value on the host (``.item()``, ``bool(t)``,
-  ``print(t)``...) and tags each autograd node with the user line that made it,
-  so backward ops can name the forward line they differentiate.
+  rejects those that need a value or an address on the host (``.item()``,
+  ``bool(t)``, ``print(t)``, ``.data_ptr()``...), adds the user's line to errors
+  torch raises (keeping the type eager PyTorch raises), and tags each autograd node
+  with the user line that made it, so backward ops can name the forward line they
+  differentiate.
 - :class:`SourceMode` (a dispatch mode) sees every ATen op and stamps the FX nodes
   ``make_fx`` records for it with a :class:`Source`. It also turns fake-tensor
   failures on data-dependent shapes into :class:`CaptureError`.
+
+While it is active, :class:`GuardMode` also enters :func:`trace_guards` (from
+:mod:`.capture_guards`, re-exported here): host syncs and changes to the global RNG
+raise, and torch's ERROR logs about ops failing under fake tensors are dropped, all
+in the tracing thread only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import linecache
-import os
+import re
 import sys
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from types import FrameType
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
-import optree
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .errors import CaptureError
+from .capture_guards import no_host_sync, quiet_torch_logs, rng_state_unchanged, trace_guards
+from .errors import CaptureError, SgraphError
+from .source import SOURCE_KEY, Source, is_library, user_source, where
 from .text import describe_tensor
 
-__all__ = ["Source", "GuardMode", "SourceMode", "user_source", "no_host_sync", "SOURCE_KEY"]
-
-SOURCE_KEY = "sgraph_source"
-_SKIP_DIRS = tuple(
-    os.path.dirname(m.__file__) + os.sep for m in (torch, optree, sys.modules[__package__]) if m.__file__
-) + (os.path.dirname(contextlib.__file__) + os.sep + "contextlib.py",)
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where in the user's code a graph node comes from."""
-
-    file: str
-    line: int
-    function: str
-    backward: bool = False
-
-    @property
-    def code(self) -> str:
-        """The text of the source line, stripped."""
-        return linecache.getline(self.file, self.line).strip()
-
-    def short(self) -> str:
-        """``file.py:12 in fn``, prefixed with ``backward of`` for gradient ops."""
-        where = f"{os.path.basename(self.file)}:{self.line} in {self.function}"
-        return f"backward of {where}" if self.backward else where
-
-    def describe(self) -> str:
-        """``file.py:12 in fn (`code`)``, for error messages."""
-        code = self.code
-        return f"{self.short()} (`{code}`)" if code else self.short()
-
-    def as_backward(self) -> Source:
-        return Source(self.file, self.line, self.function, backward=True)
-
-
-def user_source() -> Source | None:
-    """The innermost frame of the caller's stack that is not torch's, optree's or sgraph's."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not name.startswith(_SKIP_DIRS) and not name.startswith("<frozen"):
-            return Source(name, frame.f_lineno, frame.f_code.co_name)
-        frame = frame.f_back
-    return None
-
-
-def _where(source: Source | None) -> str:
-    return f" at {source.describe()}" if source else ""
-
+__all__ = [
+    "Source",
+    "GuardMode",
+    "SourceMode",
+    "user_source",
+    "no_host_sync",
+    "rng_state_unchanged",
+    "quiet_torch_logs",
+    "trace_guards",
+    "SOURCE_KEY",
+]
 
 _HOST_VALUE = {
     "item": "reads a tensor's value on the host",
     "tolist": "copies a tensor to a Python list on the host",
     "numpy": "copies a tensor to a NumPy array on the host",
+    "__array__": "copies a tensor to a NumPy array on the host",
     "__bool__": "uses a tensor's value in Python control flow (bool(tensor))",
     "__int__": "converts a tensor to a Python int",
     "__float__": "converts a tensor to a Python float",
     "__complex__": "converts a tensor to a Python complex",
     "__index__": "uses a tensor as a Python index",
 }
+_HOST_VALUE_WHY = "which cannot be captured into a graph (tensors have no values while the step is traced)"
 _HOST_VALUE_FIX = (
     "Keep values as tensors: choose with torch.where(cond, a, b) instead of `if`, "
     "and return what you want to read as an output (e.g. in metrics), then read it after the call."
 )
 _PRINT = {"__repr__", "__str__", "__format__"}
 _PRINT_FIX = "Return the tensor as an output (e.g. in metrics) and print it after the call."
+_ADDRESS = {
+    "data_ptr": "reads a memory address",
+    "untyped_storage": "reads a tensor's storage (its memory address and size)",
+    "storage": "reads a tensor's storage (its memory address and size)",
+}
+_ADDRESS_WHY = (
+    "which has no meaning while the step is traced (its tensors have no memory yet) "
+    "nor in a replay (the compiled step places its buffers itself)"
+)
+_ADDRESS_FIX = "Remove it from the step; compare or inspect tensors by value, or read addresses after the call."
+_DATA_DEPENDENT_FIX = (
+    "Use a fixed-shape form: torch.where(mask, x, 0) instead of x[mask] or nonzero, "
+    "x.index_select(0, i) with an index tensor i instead of x[i] with a 0-dim tensor, "
+    "torch.where(torch.arange(len(x)) < n, x, 0) instead of x[:n], and keep counts as tensors."
+)
 
 
 class GuardMode(TorchFunctionMode):
-    """Reject host-value tensor calls; tag autograd nodes with the user line."""
+    """Reject host-value and address tensor calls; add the user line to torch's errors;
+    tag autograd nodes with the user line. While active, :func:`trace_guards` holds for
+    this thread (host syncs and global RNG changes raise; fake-tensor ERROR logs drop).
+
+    Args:
+        api: the transform's name, for error messages.
+
+    Example:
+        >>> with GuardMode("sg.static(step)"), SourceMode("sg.static(step)"):
+        ...     out = step(*fake_args)  # inside make_fx
+    """
 
     def __init__(self, api: str) -> None:
         super().__init__()
         self.api = api
 
+    def __enter__(self) -> GuardMode:
+        entered = cast(GuardMode, super().__enter__())
+        self._guards = contextlib.ExitStack()
+        try:
+            self._guards.enter_context(trace_guards(self.api))
+        except BaseException:
+            super().__exit__(None, None, None)
+            raise
+        return entered
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._guards.__exit__(*exc)
+        finally:
+            super().__exit__(*exc)
+
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name in _HOST_VALUE and _is_tensor_method(func):
-            self._fail(f"Tensor.{name}() {_HOST_VALUE[name]}", _HOST_VALUE_FIX)
-        if name in _PRINT and _is_tensor_method(func):
-            self._fail(f"printing a tensor (Tensor.{name})", _PRINT_FIX)
-        if name in ("cpu", "to") and _is_tensor_method(func) and _moves_to_host(name, args, kwargs):
-            self._fail(
-                f"Tensor.{name}() copies a device tensor to the host",
-                "Keep the computation on the device and return the tensor as an output.",
-            )
-        out = func(*args, **kwargs)
+        if _is_tensor_method(func):
+            self._check_tensor_method(getattr(func, "__name__", ""), args, kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except SgraphError:
+            raise
+        except _DATA_DEPENDENT:
+            raise CaptureError(_data_dependent_message(self.api, _torch_name(func), user_source())) from None
+        except Exception as e:
+            _raise_located(e, self.api, user_source())
         _tag_grad_fns(out)
         return out
 
-    def _fail(self, what: str, fix: str) -> None:
-        source = user_source()
-        raise CaptureError(
-            f"{self.api}: {what}{_where(source)}, which cannot be captured into a graph "
-            f"(tensors have no values while the step is traced). {fix}"
-        )
+    def _check_tensor_method(self, name: str, args: Any, kwargs: dict[str, Any]) -> None:
+        if name in _HOST_VALUE:
+            name = _host_call_name(name)
+            self._fail(f"Tensor.{name}() {_HOST_VALUE[name]}", _HOST_VALUE_WHY, _HOST_VALUE_FIX)
+        if name in _ADDRESS:
+            self._fail(f"Tensor.{name}() {_ADDRESS[name]}", _ADDRESS_WHY, _ADDRESS_FIX)
+        if name in _PRINT:
+            self._fail(f"printing a tensor (Tensor.{name})", _HOST_VALUE_WHY, _PRINT_FIX)
+        if name in ("cpu", "to") and _moves_to_host(name, args, kwargs):
+            self._fail(
+                f"Tensor.{name}() copies a device tensor to the host",
+                _HOST_VALUE_WHY,
+                "Keep the computation on the device and return the tensor as an output.",
+            )
+
+    def _fail(self, what: str, why: str, fix: str) -> NoReturn:
+        raise CaptureError(f"{self.api}: {what}{where(user_source())}, {why}. {fix}")
 
 
 def _is_tensor_method(func: Callable[..., Any]) -> bool:
     owner = getattr(func, "__objclass__", None) or getattr(func, "__qualname__", "").split(".")[0]
     return owner in (torch.Tensor, torch._C.TensorBase, "Tensor")
+
+
+def _host_call_name(name: str) -> str:
+    """The host-value method the user called, e.g. ``tolist`` when ``FakeTensor.tolist``
+    (plain Python, invisible to torch-function modes) calls ``item`` for it."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None and is_library(frame):
+        if frame.f_code.co_name in _HOST_VALUE and isinstance(frame.f_locals.get("self"), torch.Tensor):
+            name = frame.f_code.co_name
+        frame = frame.f_back
+    return name
+
+
+_TORCH_NAMESPACES = {
+    "torch._C._nn": "torch.nn.functional",
+    "torch._C._linalg": "torch.linalg",
+    "torch._C._fft": "torch.fft",
+    "torch._C._special": "torch.special",
+}
+
+
+_TENSOR_SYNTAX = {"__getitem__": "indexing x[...]", "__setitem__": "index assignment x[...] = v"}
+
+
+def _torch_name(func: Callable[..., Any]) -> str:
+    """``Tensor.view``, ``torch.arange``, ``torch.nn.functional.linear``: how the user wrote it."""
+    name = getattr(func, "__name__", repr(func))
+    if _is_tensor_method(func):
+        syntax = _TENSOR_SYNTAX.get(name)
+        return f"{syntax} (Tensor.{name})" if syntax else f"Tensor.{name}"
+    module = getattr(func, "__module__", None) or "torch"
+    return f"{_TORCH_NAMESPACES.get(module, module)}.{name}"
 
 
 def _moves_to_host(name: str, args: Any, kwargs: dict[str, Any]) -> bool:
@@ -182,8 +234,12 @@ class SourceMode(TorchDispatchMode):
         last = _last_node(graph) if graph is not None else None
         try:
             out = func(*args, **kwargs)
-        except _DATA_DEPENDENT as e:
-            raise CaptureError(self._data_dependent(func, args)) from e
+        except SgraphError:
+            raise
+        except _DATA_DEPENDENT:
+            raise CaptureError(self._data_dependent(func, args)) from None
+        except Exception as e:
+            _raise_located(e, self.api, self._source())
         if self.context is None and _has_symbolic_shape(out):
             raise CaptureError(self._data_dependent(func, args))
         if graph is not None:
@@ -221,7 +277,7 @@ class SourceMode(TorchDispatchMode):
             if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) and a.requires_grad:
                 kind = "an nn.Parameter" if isinstance(a, torch.nn.Parameter) else "a tensor that requires grad"
                 raise CaptureError(
-                    f"{self.api}: {func} reads {kind} of shape {list(a.shape)}{_where(user_source())} "
+                    f"{self.api}: {func} reads {kind} of shape {list(a.shape)}{where(user_source())} "
                     "that is not an argument of the step, so it would be frozen into the graph as a "
                     "constant and never updated. Pass it in as an argument: "
                     "apply, params, buffers = sg.functional(model), then apply(params, buffers, x)."
@@ -229,11 +285,16 @@ class SourceMode(TorchDispatchMode):
 
     def _data_dependent(self, func: Any, args: Any) -> str:
         shapes = ", ".join(describe_tensor(a.dtype, tuple(a.shape)) for a in args if isinstance(a, torch.Tensor))
-        return (
-            f"{self.api}: {func} on ({shapes}){_where(user_source())} has an output shape (or a value) "
-            "that depends on tensor data, which cannot be captured into a graph. Use a fixed-shape "
-            "form: torch.where(mask, x, 0) instead of x[mask] or nonzero, and keep counts as tensors."
-        )
+        op = f"{func} on ({shapes})" if shapes else str(func)
+        return _data_dependent_message(self.api, op, self._source())
+
+
+def _data_dependent_message(api: str, op: str, source: Source | None) -> str:
+    return (
+        f"{api}: {op}{where(source)} has an output shape (or a value) that depends on tensor data, "
+        f"which cannot be captured into a graph (tensors have no values while the step is traced). "
+        f"{_DATA_DEPENDENT_FIX}"
+    )
 
 
 def _has_symbolic_shape(out: Any) -> bool:
@@ -278,20 +339,54 @@ def _first_node(graph: torch.fx.Graph) -> torch.fx.Node | None:
     return next(iter(graph.nodes), None)
 
 
-@contextlib.contextmanager
-def no_host_sync(api: str) -> Iterator[None]:
-    """Make ``torch.cuda.synchronize()`` raise :class:`CaptureError` while tracing."""
-    original = torch.cuda.synchronize
+# Errors torch raises on fake tensors with another type than the same mistake raises
+# eagerly: (fake type, message start, eager type, eager hint). The fake kernels are
+# Python references; eager runs the C++ kernels. Checked against eager in the tests.
+_EAGER_TYPES: tuple[tuple[type[Exception], str, type[Exception], str], ...] = (
+    (ValueError, "Cannot view a tensor with shape", RuntimeError, "; use .reshape(...) instead"),
+    (ValueError, "div expected rounding_mode", RuntimeError, ""),
+    (ValueError, "clamp called but both min and max are none", RuntimeError, ""),
+    (ValueError, "alpha argument of type", RuntimeError, ""),
+    (RuntimeError, "tensors used as indices must be long", IndexError, ""),
+)
+_LOCATED_ATTR = "__sgraph_located__"
 
-    def refuse(*args: Any, **kwargs: Any) -> None:
-        raise CaptureError(
-            f"{api}: torch.cuda.synchronize(){_where(user_source())} waits for the device from the "
-            "host, which cannot be captured into a graph. Remove it from the step; synchronize "
-            "after the call if you must."
-        )
 
-    torch.cuda.synchronize = refuse
-    try:
-        yield
-    finally:
-        torch.cuda.synchronize = original
+def _raise_located(error: Exception, api: str, source: Source | None) -> NoReturn:
+    """Re-raise ``error`` with the user's line added, as the type eager PyTorch raises.
+
+    Args:
+        error: what torch raised while tracing the user's call.
+        api: the transform's name, e.g. ``sg.static(step)``.
+        source: the user's line that made the failing call.
+
+    Example:
+        ``shape '[-1, 5]' is invalid for input of size 4 (raised at step.py:3 in step
+        (`x.view(-1, 5)`) while sg.static(step) traced the step)``, still a RuntimeError.
+    """
+    if source is None or getattr(error, _LOCATED_ATTR, False) or not _has_plain_message(error):
+        raise error
+    eager_type, hint = _eager_type(error)
+    message = re.sub(r"\bFakeTensor\b", "Tensor", str(error).rstrip()) + hint
+    sep = "\n" if "\n" in message else " "
+    message += f"{sep}(raised at {source.describe()} while {api} traced the step)"
+    located = error if eager_type is type(error) else eager_type(message)
+    located.args = (message,)
+    setattr(located, _LOCATED_ATTR, True)
+    if located is error:
+        raise error
+    raise located.with_traceback(error.__traceback__) from None
+
+
+def _has_plain_message(error: Exception) -> bool:
+    """Whether the message is ``args[0]`` alone, so it can be extended without changing the type."""
+    args = error.args
+    plain = len(args) == 1 and isinstance(args[0], str) and str(error) == args[0]
+    return plain and isinstance(error, (RuntimeError, ValueError, IndexError, TypeError))
+
+
+def _eager_type(error: Exception) -> tuple[type[Exception], str]:
+    for fake_type, start, eager_type, hint in _EAGER_TYPES:
+        if type(error) is fake_type and str(error).startswith(start):
+            return eager_type, hint
+    return type(error), ""
