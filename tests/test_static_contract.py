@@ -288,3 +288,28 @@ def test_a_fallen_back_step_says_so():
     assert "fell back to eager" in repr(step)
     with pytest.raises(sg.CaptureError, match="runs eagerly since it could not be captured"):
         step.last_compiled  # noqa: B018
+
+
+# --------------------------------------------------------------------------- checkpointed randomness
+
+
+def test_checkpointed_dropout_raises_instead_of_wrong_gradients():
+    from torch.utils.checkpoint import checkpoint
+
+    def loss(w, x):
+        h = checkpoint(lambda a: torch.nn.functional.dropout(a * w, 0.5, training=True), x, use_reentrant=False)
+        return (h * h).sum()
+
+    with pytest.raises(sg.CaptureError, match="runs again in the backward.*torch.utils.checkpoint"):
+        sg.static(lambda w, x: sg.grad(loss)(w, x))(torch.ones(8), torch.arange(8.0))
+
+
+def test_checkpointed_sg_random_dropout_matches_eager():
+    from torch.utils.checkpoint import checkpoint
+
+    def loss(w, x, key):
+        h = checkpoint(lambda a: sg.random.dropout(key, a * w, 0.5), x, use_reentrant=False)
+        return (h * h).sum()
+
+    args = (torch.ones(8), torch.arange(8.0), sg.random.key(0))
+    assert torch.equal(sg.static(lambda w, x, k: sg.grad(loss)(w, x, k))(*args), sg.grad(loss)(*args))

@@ -230,6 +230,7 @@ class SourceMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.context is None:
             self._check_closed_over(func, args, kwargs)
+            self._check_recomputed_randomness(func)
         graph = _tracing_graph()
         last = _last_node(graph) if graph is not None else None
         try:
@@ -267,6 +268,24 @@ class SourceMode(TorchDispatchMode):
                 self.last_backward = tagged.as_backward()
             return self.last_backward or user_source()
         return user_source()
+
+    def _check_recomputed_randomness(self, func: Any) -> None:
+        """A random op run by autograd is a forward op recomputed (``torch.utils.checkpoint``).
+
+        Eager replays it with the RNG state saved at the forward, so both draw the same
+        numbers; a traced step records two independent draws, and the gradient would
+        no longer be the gradient of the forward it differentiates.
+        """
+        if torch._C._current_autograd_node() is None or torch.Tag.nondeterministic_seeded not in func.tags:
+            return
+        source = self._source()
+        raise CaptureError(
+            f"{self.api}: {func} runs again in the backward{where(source)}, as torch.utils.checkpoint "
+            "recomputes it; in a captured step the recomputation would draw other random numbers than "
+            "the forward did, so the gradients would be wrong. Draw the randomness from an sg.random key "
+            "passed into the checkpointed function (sg.random.dropout(key, x, p)), or do not checkpoint "
+            "the random op."
+        )
 
     def _check_closed_over(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
         """A real tensor that requires grad is a parameter read from outside the step's
