@@ -2,11 +2,17 @@
 
     python examples/benchmark.py --json bench.json                # all workloads, all variants
     python examples/benchmark.py --workloads mlp-small --variants eager sg-static
+    python examples/benchmark.py --variants --host-overhead        # only the per-call host time
 
 Workloads and method follow PERFORMANCE-ANCHORS: forward + loss + backward + AdamW,
 bf16 autocast with fp32 master params, TF32 matmuls allowed; median of 50 steps
 timed with CUDA events after 5 warm-up steps; "first" is the wall time of the first
 call (compile and capture included); peak is torch.cuda.max_memory_allocated.
+
+The host-overhead table times one call of an already-compiled sg.static step over a
+params + momentum pytree of N small leaves on the host, without synchronizing, and
+splits it into the runtime (graph replay with its input and output copies) and
+sgraph's call path (flattening, signature and alias checks, output pytree).
 """
 
 from __future__ import annotations
@@ -183,6 +189,57 @@ def measure(make: Callable[[str], Callable[[], None]], workload: str, steps: int
     return result
 
 
+def host_overhead(leaves: int, device: str, calls: int = 200) -> dict:
+    """Per-call host time (ms) of sg.static on ``leaves`` small leaves: total, runtime, call path."""
+    params = {f"layer{i}.weight": torch.randn(64, device=device) for i in range(leaves // 2)}
+    momentum = {k: torch.zeros_like(v) for k, v in params.items()}
+
+    @sg.static(donate=("params", "momentum"))
+    def step(params, momentum, lr):
+        momentum = {k: 0.9 * momentum[k] + params[k] for k in params}
+        return {k: params[k] - lr * momentum[k] for k in params}, momentum
+
+    state = [params, momentum]
+    for _ in range(3):
+        state[:] = step(state[0], state[1], 0.1)
+    compiled = step.last_compiled
+    tensors = sg.tree.leaves((state[0], state[1]))
+
+    def timed(call: Callable[[], object]) -> float:
+        best = float("inf")
+        for _ in range(5):
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            best = min(best, (time.perf_counter() - start) / calls)
+        _sync(device)
+        return best * 1e3
+
+    runtime = timed(lambda: compiled.executable(tensors))
+    # The call path alone: the same calls with the runtime replaced by its last outputs.
+    outputs, executable = list(compiled.executable(tensors)), compiled.executable
+    compiled.executable = lambda inputs: list(outputs)
+    try:
+        call_path = timed(lambda: state.__setitem__(slice(None), step(state[0], state[1], 0.1)))
+    finally:
+        compiled.executable = executable
+    return {"leaves": leaves, "total_ms": call_path + runtime, "runtime_ms": runtime, "call_path_ms": call_path}
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def print_host_overhead(rows: list[dict], device: str) -> None:
+    print(f"\n## host time per call of a compiled sg.static step ({device}; target: call path <= 0.3 ms at 500)\n")
+    print("| leaves | per call ms | runtime ms (replay, copies) | sgraph call path ms |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['leaves']} | {r['total_ms']:.3f} | {r['runtime_ms']:.3f} | {r['call_path_ms']:.3f} |")
+
+
 def print_table(results: dict, workloads: list[str]) -> None:
     print("\n## median ms per step (peak MiB, first-call s)\n")
     print("| variant | " + " | ".join(workloads) + " |")
@@ -207,10 +264,15 @@ def print_table(results: dict, workloads: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--host-overhead", action="store_true", help="also time the per-call host overhead")
+    parser.add_argument("--device", default="cuda", help="device of the host-overhead table (cuda or cpu)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    if args.host_overhead and args.device == "cpu" and not args.variants:
+        print_host_overhead([host_overhead(n, "cpu") for n in (10, 100, 200, 500, 2000)], "cpu")
+        return
     if not torch.cuda.is_available():
         raise SystemExit("benchmark.py times CUDA graphs and needs a GPU; run examples/quickstart.py on CPU.")
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -224,12 +286,16 @@ def main() -> None:
                 print(f"{key} on {workload} failed: {type(error).__name__}: {str(error)[:300]}")
                 results[key][workload] = None
             print(key, workload, results[key][workload], flush=True)
+    overhead = [host_overhead(n, args.device) for n in (10, 100, 200, 500, 2000)] if args.host_overhead else []
     print(f"\ntorch {torch.__version__}, {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}")
-    print_table(results, args.workloads)
+    if args.variants:
+        print_table(results, args.workloads)
+    if overhead:
+        print_host_overhead(overhead, args.device)
     if args.json:
         meta = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
+            json.dump({"meta": meta, "results": results, "host_overhead": overhead}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -257,3 +257,95 @@ def test_a_capture_failure_falls_back_when_asked():
     assert torch.equal(first, torch.full((4,), 4.0, device="cuda"))
     assert torch.equal(second, torch.full((4,), 6.0, device="cuda"))
     assert step.last_compiled.executable.uncaptured
+
+
+def test_a_capture_failure_leaves_stream_capture_mode_and_rng_as_they_were():
+    stream = torch.cuda.current_stream()
+    step = sg.static(lambda x: host_sync(x + torch.rand_like(x)))
+    torch.cuda.manual_seed(1)
+    with pytest.raises(sg.CaptureError):
+        step(torch.ones(4, device="cuda"))
+    after_failure = torch.cuda.get_rng_state()
+    assert torch.cuda.current_stream() == stream
+    assert not torch.cuda.is_current_stream_capturing()
+    torch.cuda.manual_seed(1)
+    torch.rand(4, device="cuda")  # what the call's one eager step drew
+    assert torch.equal(after_failure, torch.cuda.get_rng_state())
+    # and the process can still capture and replay
+    again = sg.static(lambda x: x * 3)
+    for _ in range(3):
+        out = again(torch.ones(4, device="cuda"))
+    assert torch.equal(out, torch.full((4,), 3.0, device="cuda")) and again.last_compiled.executable.captures == 1
+
+
+def test_a_donated_result_returned_again_as_a_metric_survives_the_next_replay():
+    @sg.static(donate="params")
+    def step(params):
+        new = {"w": params["w"] + 1}
+        return new, {"w_after": new["w"], "head": new["w"][:2]}
+
+    params = {"w": torch.zeros(4, device="cuda")}
+    kept = []
+    for _ in range(4):
+        params, metrics = step(params)
+        kept.append(metrics)
+    for k, metrics in enumerate(kept, start=1):
+        assert torch.equal(metrics["w_after"], torch.full((4,), float(k), device="cuda"))
+        assert torch.equal(metrics["head"], torch.full((2,), float(k), device="cuda"))
+    assert step.last_compiled.executable.captures == 1
+
+
+def test_an_outer_autocast_retraces_and_matches_eager():
+    def f(a, b):
+        return a @ b
+
+    step = sg.static(f)
+    a, b = torch.randn(16, 16, device="cuda"), torch.randn(16, 16, device="cuda")
+    assert step(a, b).dtype == torch.float32
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        with pytest.warns(sg.RetraceWarning, match=re.escape("autocast (cuda) changed: off -> bfloat16")):
+            out = step(a, b)
+        expected = f(a, b)
+        again = step(a, b)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected) and torch.equal(again, expected)
+    assert step(a, b).dtype == torch.float32
+
+
+def test_inputs_aliasing_a_donated_input_give_the_eager_result_under_replay():
+    def step(params, ema):
+        new = {"w": params["w"] - 0.1}
+        return new, {"w": 0.9 * ema["w"] + 0.1 * new["w"]}, ema
+
+    static = sg.static(step, donate="params")
+    params = {"w": torch.ones(3, device="cuda")}
+    for k in range(3):
+        shared = dict(params)  # the EMA shares the params' tensors
+        expected = step({"w": params["w"].clone()}, {"w": params["w"].clone()})
+        params, ema, returned = static(params, shared)
+        assert torch.allclose(ema["w"], expected[1]["w"]) and torch.equal(returned["w"], expected[2]["w"]), k
+
+
+def test_threads_replaying_one_graph_take_turns():
+    import threading
+
+    step = sg.static(lambda x: (x * 2).sum(0))
+    step(torch.ones(64, 64, device="cuda"))
+    step(torch.ones(64, 64, device="cuda"))  # captured
+    errors, results = [], {}
+
+    def call(k):
+        try:
+            for _ in range(20):
+                out = step(torch.full((64, 64), float(k), device="cuda"))
+                if not torch.equal(out, torch.full((64,), 128.0 * k, device="cuda")):
+                    errors.append((k, out[0].item()))
+            results[k] = True
+        except Exception as e:  # collected and asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 4

@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import optree
 
@@ -41,6 +41,8 @@ class _Node:
         self.subs: dict[int, _Node] = {}
         self.getter: Any = None
         self.keys: list[Any] | None = None
+        self.types: list[type] = []
+        self.order: tuple[int, ...] | None = None
         if optree.tree_is_leaf(obj, namespace=NAMESPACE):
             self.kind, self.types, self.order = "leaf", [], None
             leaves.append(obj)
@@ -59,7 +61,7 @@ class _Node:
     def _init_dict(self, obj: dict[Any, Any], leaves: list[Any]) -> None:
         self.kind = "dict"
         self.keys = list(obj)
-        entries = optree.tree_flatten_one_level(obj, namespace=NAMESPACE).entries
+        entries = optree.tree_flatten_one_level(cast(Any, obj), namespace=NAMESPACE).entries
         index = {k: i for i, k in enumerate(self.keys)}
         self._init_children(list(obj.values()), [index[k] for k in entries], leaves)
 
@@ -105,7 +107,8 @@ class _Node:
         if not self.subs:
             out.extend(values if self.order is None else self._ordered(values))
             return True
-        for i in self.order or range(len(values)):
+        positions: Sequence[int] = self.order or range(len(values))
+        for i in positions:
             sub = self.subs.get(i)
             if sub is None:
                 out.append(values[i])

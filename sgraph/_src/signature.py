@@ -147,8 +147,8 @@ def _native_check(tensors: Sequence[torch.Tensor]) -> Any:
 
         return TensorGuards(
             *tensors,
-            dynamic_dims_sizes=[list(t.shape) for t in tensors],
-            dynamic_dims_strides=[list(t.stride()) for t in tensors],
+            dynamic_dims_sizes=cast(Any, [list(t.shape) for t in tensors]),
+            dynamic_dims_strides=cast(Any, [list(t.stride()) for t in tensors]),
         )
     except (ImportError, TypeError, RuntimeError, SystemError):
         return None

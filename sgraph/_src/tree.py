@@ -152,7 +152,7 @@ def register_dataclass(cls: type[T], /) -> type[T]:
     def flatten_fn(obj: Any) -> tuple[list[Any], None, tuple[str, ...]]:
         return [getattr(obj, n) for n in names], None, names
 
-    def unflatten_fn(_: Any, children: Iterable[Any]) -> T:
+    def unflatten_fn(_: Any, children: Iterable[Any]) -> Any:
         return cls(**dict(zip(names, children)))
 
     optree.register_pytree_node(

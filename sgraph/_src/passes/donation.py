@@ -91,7 +91,8 @@ def _choose(
     ]
     suffix = _within_argument(leaf.path)
     by_path = [i for i in fits if _within_argument(outputs[i].path) == suffix and suffix]
-    return (by_path or fits or [None])[0]
+    found = by_path or fits
+    return found[0] if found else None
 
 
 def _within_argument(path: str) -> str:

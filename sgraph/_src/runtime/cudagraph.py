@@ -172,14 +172,14 @@ def _record(recorder: _NamingInterpreter, inputs: list[torch.Tensor], aliases: A
     return outputs
 
 
-def _captured(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, body: Any) -> BaseException | None:
+def _captured(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, body: Any) -> Exception | None:
     """Capture ``body()`` into ``graph`` on ``stream``; return what raised, if anything.
 
     Unlike ``torch.cuda.graph``, the capture always ends and the previous stream is
     always current again, even when the body or the end of the capture raises.
     Other threads may use the GPU meanwhile (thread-local capture mode).
     """
-    failure: BaseException | None = None
+    failure: Exception | None = None
     torch.cuda.synchronize()
     with torch.no_grad(), torch.cuda.stream(stream):
         graph.capture_begin(capture_error_mode="thread_local")
