@@ -30,9 +30,9 @@ class TensorList(list):
 @pytest.mark.parametrize(
     "make, where",
     [
-        (lambda x: Box(x + 1), "result.value, inside a Box"),
-        (lambda x: (x, TensorList([x * 2])), "result[1][0], inside a TensorList"),
-        (lambda x: {"out": Box(x)}, "result['out'].value, inside a Box"),
+        (lambda x: Box(x + 1), "result.value, inside an object of type Box"),
+        (lambda x: (x, TensorList([x * 2])), "result[1][0], inside an object of type TensorList"),
+        (lambda x: {"out": Box(x)}, "result['out'].value, inside an object of type Box"),
     ],
 )
 def test_a_tensor_returned_inside_an_unregistered_object_raises_naming_the_path(make, where):
@@ -42,7 +42,7 @@ def test_a_tensor_returned_inside_an_unregistered_object_raises_naming_the_path(
 
 
 def test_a_tensor_passed_inside_an_unregistered_object_raises_naming_the_path():
-    with pytest.raises(sg.ArgumentTypeError, match=re.escape("cfg.value is a tensor inside a Box")):
+    with pytest.raises(sg.ArgumentTypeError, match=re.escape("cfg.value is a tensor inside an object of type Box")):
         sg.static(lambda x, cfg: x * cfg.value)(torch.ones(2), Box(torch.ones(2)))
 
 

@@ -156,8 +156,8 @@ def _check_static(api: str, value: Any, path: str) -> None:
     inner = find_hidden_tensor(value)
     if inner is not None:
         raise ArgumentTypeError(
-            f"{api}: {path}{inner} is a tensor inside a {type(value).__name__}, which is not a pytree "
-            "container, so the step would treat the whole object as a constant. Register the class: "
+            f"{api}: {path}{inner} is a tensor inside an object of type {type(value).__name__}, which is "
+            "not a pytree container, so the step would treat the whole object as a constant. Register the class: "
             f"sg.tree.register_dataclass({type(value).__name__}) for a dataclass, sg.tree.register_node "
             "otherwise; or pass the tensors in a dict, list or tuple."
         )

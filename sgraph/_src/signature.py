@@ -211,11 +211,12 @@ def _module_differences(old: ModuleFlags, new: ModuleFlags) -> list[str]:
     mode = {True: "train", False: "eval"}
     if old.modules != new.modules:
         return ["the modules the step runs changed"]
-    return [
-        f"training mode of {name} changed: {mode[a]} -> {mode[b]}"
-        for name, a, b in zip(new.names, old.flags, new.flags)
-        if a != b
-    ]
+    changed = [(name, a, b) for name, a, b in zip(new.names, old.flags, new.flags) if a != b]
+    if not changed:
+        return []
+    name, a, b = changed[0]
+    more = f" (and of {len(changed) - 1} more module{'s' * (len(changed) > 2)})" if len(changed) > 1 else ""
+    return [f"training mode of {name} changed: {mode[a]} -> {mode[b]}{more}"]
 
 
 def _kind(key: Any) -> str:
