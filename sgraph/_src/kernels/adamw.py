@@ -5,6 +5,16 @@ and moments and leaves its inputs alone, so a traced step stays functional.
 ``sgraph::adamw_`` updates params and moments in place; the reinplace pass swaps it
 in when those inputs are donated, so the whole update is one pass over memory.
 Both run ATen's fused AdamW kernel (``torch._fused_adamw_``), on CPU and CUDA.
+
+That kernel pairs the k-th element of each leaf's param, grad and moments by
+position in memory, which is the same element only when the four tensors have one
+size and one stride and cover their memory densely. A leaf where they do not (a
+channels-last grad of a contiguous conv weight, a transposed or sliced param, a
+state in another layout than its param) is copied into its param's layout (a dense
+one, for a param that is a strided view) before the kernel and written back after.
+The check runs on the real tensors at every call, so it holds whatever strides a
+traced graph's intermediates turn out to have; leaves already in one layout (the
+common case: moments from ``init``, grads laid out like the params) are not copied.
 """
 
 from __future__ import annotations
@@ -12,9 +22,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..errors import ArgumentError
+
 __all__ = ["INPLACE_FORMS", "adamw", "adamw_", "fusable", "written_lists"]
 
 _DTYPES = (torch.float32,)
+_NAMES = ("params", "grads", "mu", "nu")
+
+Leaf = tuple[Tensor, Tensor, Tensor, Tensor]
+"""One leaf's ``(param, grad, mu, nu)``."""
 
 
 def fusable(tensors: list[Tensor]) -> bool:
@@ -27,6 +43,53 @@ def fusable(tensors: list[Tensor]) -> bool:
     return device.type in ("cpu", "cuda") and all(
         t.device == device and t.dtype in _DTYPES and type(t).__name__ != "DTensor" for t in tensors
     )
+
+
+def _dense(t: Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory, each once (contiguous checked first: it is cheap)."""
+    return t.is_contiguous() or bool(torch.ops.aten.is_non_overlapping_and_dense.default(t))
+
+
+def _aligned(p: Tensor, g: Tensor, m: Tensor, v: Tensor) -> bool:
+    """Whether the fused kernel pairs this leaf's elements correctly as they are."""
+    same_shape = p.shape == g.shape == m.shape == v.shape
+    return same_shape and p.stride() == g.stride() == m.stride() == v.stride() and _dense(p)
+
+
+def _check_shapes(index: int, leaf: Leaf) -> None:
+    p = leaf[0]
+    for name, t in zip(_NAMES[1:], leaf[1:]):
+        if t.shape != p.shape:
+            raise ArgumentError(
+                f"sgraph::adamw: {name}[{index}] has shape {tuple(t.shape)}, but params[{index}] has shape "
+                f"{tuple(p.shape)}. Pass one grad and one pair of moments per param, each of the param's shape."
+            )
+
+
+def _in_one_layout(leaf: Leaf) -> tuple[Leaf, list[tuple[Tensor, Tensor]]]:
+    """The leaf's tensors in its param's layout (a dense one for a strided view), and the
+    ``(tensor, copy)`` pairs of param and moments to copy back after the update."""
+    p = leaf[0]
+    like = p if _dense(p) else torch.empty_like(p)
+    p2, g2, m2, v2 = (t if t.stride() == like.stride() else torch.empty_like(like).copy_(t) for t in leaf)
+    written = [(t, c) for t, c in ((p, p2), (leaf[2], m2), (leaf[3], v2)) if c is not t]
+    return (p2, g2, m2, v2), written
+
+
+def _paired(
+    params: list[Tensor], grads: list[Tensor], mu: list[Tensor], nu: list[Tensor]
+) -> tuple[list[list[Tensor]], list[tuple[Tensor, Tensor]]]:
+    """The four lists, every leaf in one dense layout, and ``(tensor, copy)`` pairs to write back."""
+    lists: list[list[Tensor]] = [[], [], [], []]
+    written: list[tuple[Tensor, Tensor]] = []
+    for i, leaf in enumerate(zip(params, grads, mu, nu)):
+        if not _aligned(*leaf):
+            _check_shapes(i, leaf)
+            leaf, copies = _in_one_layout(leaf)
+            written += copies
+        for out, t in zip(lists, leaf):
+            out.append(t)
+    return lists, written
 
 
 @torch.library.custom_op("sgraph::adamw_", mutates_args=("params", "mu", "nu"))
@@ -42,17 +105,18 @@ def adamw_(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """One AdamW update in place. ``step`` is the update number t (1, 2, ...), ``lr``
-    a 0-dim tensor; both may change between calls without recompiling."""
-    steps = [step.to(torch.float32)] * len(params)
+    """One AdamW update in place, for any layouts of the four lists' tensors. ``step``
+    is the update number t (1, 2, ...), ``lr`` a 0-dim tensor; both may change between
+    calls without recompiling."""
+    (p, g, m, v), written = _paired(params, grads, mu, nu)
     torch._fused_adamw_(
-        params,
-        grads,
-        mu,
-        nu,
+        p,
+        g,
+        m,
+        v,
         [],
-        steps,
-        lr=lr.to(params[0].device, torch.float32),
+        [step.to(torch.float32)] * len(p),
+        lr=lr.to(p[0].device, torch.float32),
         beta1=b1,
         beta2=b2,
         weight_decay=weight_decay,
@@ -60,6 +124,8 @@ def adamw_(
         amsgrad=False,
         maximize=False,
     )
+    if written:
+        torch._foreach_copy_([t for t, _ in written], [c for _, c in written])
 
 
 @torch.library.custom_op("sgraph::adamw", mutates_args=())
@@ -75,7 +141,8 @@ def adamw(
     eps: float,
     weight_decay: float,
 ) -> list[Tensor]:
-    """The functional AdamW update: returns ``new_params + new_mu + new_nu`` as one list."""
+    """The functional AdamW update: returns ``new_params + new_mu + new_nu`` as one
+    list, each new tensor in the layout of the one it replaces (dense for a view)."""
     p, m, v = ([t.clone() for t in ts] for ts in (params, mu, nu))
     adamw_(p, grads, m, v, step, lr, b1, b2, eps, weight_decay)
     return p + m + v
@@ -83,6 +150,8 @@ def adamw(
 
 @adamw.register_fake
 def _(params, grads, mu, nu, step, lr, b1, b2, eps, weight_decay):  # type: ignore[no-untyped-def]
+    for i, leaf in enumerate(zip(params, grads, mu, nu)):
+        _check_shapes(i, leaf)
     return [torch.empty_like(t) for t in (*params, *mu, *nu)]
 
 

@@ -13,7 +13,9 @@ is within a factor of two of ``p`` (the subtraction is exact). Float32 leaves on
 CPU or CUDA device compute ``new_p`` with ATen's fused multi-tensor AdamW kernel
 (``sgraph::adamw``), other leaves with the foreach ops above; both stay within the
 tolerances ``tests/test_optim.py`` checks against ``torch.optim`` (1e-6 relative after
-100 steps in fp32).
+100 steps in fp32). Any memory layouts of params, grads and moments give the same
+values: the kernel copies a leaf whose tensors differ in layout into its param's
+(``tests/test_optim_layouts.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ..kernels.adamw import adamw as fused_adamw
 from ..kernels.adamw import fusable
 from . import _checks, _scalars
 from ._base import GradientTransformation, PyTree, zeros_tree
+from ._repr import state_html, state_repr
 from ._scalars import Tensors
 from ._schedules import Schedule
 
@@ -46,6 +49,12 @@ class ScaleByAdamState(NamedTuple):
     count: torch.Tensor  # type: ignore[assignment]  # shadows tuple.count, as in optax
     mu: PyTree
     nu: PyTree
+
+    def __repr__(self) -> str:
+        return state_repr(self)
+
+    def _repr_html_(self) -> str:
+        return state_html(self)
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,7 @@ def _init(cfg: _Adam, params: PyTree) -> ScaleByAdamState:
 
 
 def _moments(cfg: _Adam, g: Tensors, mu: Tensors, nu: Tensors) -> tuple[Tensors, Tensors]:
-    mu = torch._foreach_lerp(mu, g, 1.0 - cfg.b1)
+    mu = _scalars.lerp(mu, g, 1.0 - cfg.b1)
     nu = torch._foreach_addcmul(torch._foreach_mul(nu, cfg.b2), g, g, value=1.0 - cfg.b2)
     return mu, nu
 

@@ -13,6 +13,7 @@ import torch
 
 from .. import tree
 from ..errors import ArgumentTypeError
+from ._repr import state_html, state_repr
 
 __all__ = [
     "PyTree",
@@ -61,6 +62,12 @@ class GradientTransformation(NamedTuple):
 
 class EmptyState(NamedTuple):
     """The state of a transform that keeps none (``clip_by_global_norm``, ``identity``)."""
+
+    def __repr__(self) -> str:
+        return state_repr(self)
+
+    def _repr_html_(self) -> str:
+        return state_html(self)
 
 
 def identity() -> GradientTransformation:

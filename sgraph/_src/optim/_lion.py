@@ -18,6 +18,7 @@ import torch
 from .. import tree
 from . import _checks, _scalars
 from ._base import GradientTransformation, PyTree, zeros_tree
+from ._repr import state_html, state_repr
 from ._scalars import Tensors
 from ._schedules import Schedule
 
@@ -34,6 +35,12 @@ class LionState(NamedTuple):
 
     count: torch.Tensor  # type: ignore[assignment]  # shadows tuple.count, as in optax
     mu: PyTree
+
+    def __repr__(self) -> str:
+        return state_repr(self)
+
+    def _repr_html_(self) -> str:
+        return state_html(self)
 
 
 @dataclass(frozen=True)
@@ -63,7 +70,7 @@ def _init(cfg: _Lion, params: PyTree) -> LionState:
 
 def _direction(cfg: _Lion, g: Tensors, mu: Tensors, p: Tensors) -> Tensors:
     """``sign(lerp(mu, g, 1 - b1)) + weight_decay * p``."""
-    direction = torch._foreach_sign(torch._foreach_lerp(mu, g, 1.0 - cfg.b1))
+    direction = _scalars.sign(_scalars.lerp(mu, g, 1.0 - cfg.b1))
     if not cfg.weight_decay:
         return direction
     return torch._foreach_add(direction, p, alpha=cfg.weight_decay)
@@ -82,7 +89,7 @@ def _update(cfg: _Lion, grads: PyTree, state: LionState, params: PyTree | None) 
     lr = _scalars.learning_rate(cfg.lr, state.count)
     updates = torch._foreach_mul(direction, _scalars.like(-lr, g[0]))
     spec = tree.structure(grads)
-    new_mu = tree.unflatten(spec, torch._foreach_lerp(mu, g, 1.0 - cfg.b2))
+    new_mu = tree.unflatten(spec, _scalars.lerp(mu, g, 1.0 - cfg.b2))
     return tree.unflatten(spec, _scalars.dtypes_of(updates, g)), LionState(state.count + 1, new_mu)
 
 

@@ -14,7 +14,18 @@ from typing import Any, Union
 
 import torch
 
-__all__ = ["Scalar", "Tensors", "init_count", "step_number", "learning_rate", "bias_correction", "like", "dtypes_of"]
+__all__ = [
+    "Scalar",
+    "Tensors",
+    "init_count",
+    "step_number",
+    "learning_rate",
+    "bias_correction",
+    "like",
+    "dtypes_of",
+    "lerp",
+    "sign",
+]
 
 Scalar = Union[float, torch.Tensor]
 """A hyperparameter after evaluation: a Python float, or a 0-dim tensor when scheduled."""
@@ -78,3 +89,22 @@ def like(value: Scalar, leaf: torch.Tensor) -> Scalar:
 def dtypes_of(results: Tensors, leaves: Tensors) -> list[torch.Tensor]:
     """``results`` in the dtypes of ``leaves`` (only promoted 0-dim low-precision leaves change)."""
     return [r if r.dtype == x.dtype else r.to(x.dtype) for r, x in zip(results, leaves)]
+
+
+def _dtensors(leaves: Tensors) -> bool:
+    return type(leaves[0]).__name__ == "DTensor"
+
+
+def lerp(start: Tensors, end: Tensors, weight: float) -> Tensors:
+    """``torch._foreach_lerp(start, end, weight)``; leaf by leaf for DTensors, which have
+    no sharding rule for the foreach form in torch 2.11 (the same kernel per leaf on CPU)."""
+    if _dtensors(start):
+        return [torch.lerp(s, e, weight) for s, e in zip(start, end)]
+    return torch._foreach_lerp(start, end, weight)
+
+
+def sign(leaves: Tensors) -> Tensors:
+    """``torch._foreach_sign(leaves)``; leaf by leaf for DTensors, as :func:`lerp`."""
+    if _dtensors(leaves):
+        return [torch.sign(x) for x in leaves]
+    return torch._foreach_sign(leaves)

@@ -22,6 +22,7 @@ from .. import tree
 from ..errors import ArgumentError
 from . import _checks, _scalars
 from ._base import GradientTransformation, PyTree, zeros_tree
+from ._repr import state_html, state_repr
 from ._scalars import Tensors
 from ._schedules import Schedule
 
@@ -38,6 +39,12 @@ class SgdState(NamedTuple):
 
     count: torch.Tensor  # type: ignore[assignment]  # shadows tuple.count, as in optax
     momentum: PyTree | None
+
+    def __repr__(self) -> str:
+        return state_repr(self)
+
+    def _repr_html_(self) -> str:
+        return state_html(self)
 
 
 @dataclass(frozen=True)
