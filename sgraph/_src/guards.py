@@ -83,9 +83,7 @@ def global_state() -> GlobalState:
 
 def describe_global_change(old: GlobalState, new: GlobalState) -> list[str]:
     """``["autocast (cuda) changed: off -> bfloat16", ...]`` for each global that differs."""
-    return [
-        f"{name} changed: {_show(a)} -> {_show(b)}" for (name, _), a, b in zip(_GLOBALS, old, new) if a != b
-    ]
+    return [f"{name} changed: {_show(a)} -> {_show(b)}" for (name, _), a, b in zip(_GLOBALS, old, new) if a != b]
 
 
 def _show(value: Any) -> str:

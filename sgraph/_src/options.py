@@ -14,7 +14,16 @@ from typing import Any, Literal, get_args
 
 from .errors import ArgumentError, ArgumentTypeError
 
-__all__ = ["Options", "StaticOptions", "Retrace", "Fallback", "OutputMode", "check_donate", "check_literal", "check_unknown"]
+__all__ = [
+    "Options",
+    "StaticOptions",
+    "Retrace",
+    "Fallback",
+    "OutputMode",
+    "check_donate",
+    "check_literal",
+    "check_unknown",
+]
 
 Retrace = Literal["warn", "error", "allow"]
 Fallback = Literal["none", "eager"]
@@ -60,7 +69,9 @@ def check_unknown(api: str, unknown: dict[str, Any], known: Sequence[str]) -> No
     name = next(iter(unknown))
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" Did you mean {close[0]}=?" if close else ""
-    raise ArgumentTypeError(f"{api}: unknown option {name}={unknown[name]!r}; its options are {', '.join(known)}.{hint}")
+    raise ArgumentTypeError(
+        f"{api}: unknown option {name}={unknown[name]!r}; its options are {', '.join(known)}.{hint}"
+    )
 
 
 def check_donate(api: str, fn: Callable[..., Any], donate: Any) -> tuple[str | int, ...]:
@@ -72,7 +83,7 @@ def check_donate(api: str, fn: Callable[..., Any], donate: Any) -> tuple[str | i
     else:
         raise ArgumentTypeError(
             f"{api}: donate must be an argument name, a position, or a tuple of them; found {donate!r}. "
-            "For example donate=(\"params\", \"opt_state\") or donate=0."
+            'For example donate=("params", "opt_state") or donate=0.'
         )
     params, var_kw, positional, var_pos = _parameters(fn)
     for item in items:

@@ -11,18 +11,18 @@ import html
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from . import tree
+from .argtree import ArgFlattener
 from .errors import ArgumentTypeError
+from .guards import global_state
 from .options import Options
 from .passes.pipeline import lower as run_passes
 from .program import Program
 from .runtime.eager import EagerExecutable
-from .argtree import ArgFlattener
-from .guards import global_state
 from .signature import Signature, signature_of
 from .trace import ArgLayout
 

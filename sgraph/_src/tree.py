@@ -9,10 +9,9 @@ pasted back into code.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
-
-import dataclasses
 
 import optree
 from optree import PyTreeSpec

@@ -77,9 +77,7 @@ def _match(program: Program, values: list, inputs: list) -> list[tuple[int, int]
     return aliases
 
 
-def _choose(
-    leaf: LeafInfo, outputs: list[LeafInfo], values: list, returned_inputs: set, used: set[int]
-) -> int | None:
+def _choose(leaf: LeafInfo, outputs: list[LeafInfo], values: list, returned_inputs: set, used: set[int]) -> int | None:
     """The output donated ``leaf`` receives: same path within its argument first, then first fit."""
     want = (leaf.shape, leaf.dtype, leaf.device)
     fits = [

@@ -1,9 +1,10 @@
 """The one place that orders the passes.
 
 Whatever order the user stacks the decorators in, a step is lowered the same way:
-kernel fixes (replay), cleanup and algebraic folds, then (as they land) sharding, fusion and memory planning, then donation,
-which must see the final outputs, then reinplacing, which makes the graph write
-donated outputs straight into their inputs and so must come last.
+kernel fixes (replay), cleanup and algebraic folds, then (as they land) sharding,
+fusion and memory planning, then donation, which must see the final outputs, then
+reinplacing, which makes the graph write donated outputs straight into their inputs
+and so must come last.
 """
 
 from __future__ import annotations
