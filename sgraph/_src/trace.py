@@ -213,7 +213,8 @@ def _check_outputs(api: str, spec: tree.PyTreeSpec, leaves: list[Any]) -> None:
             raise CaptureError(
                 f"{api}: the step returns a tensor at {path}{inner}, inside an object of type "
                 f"{type(leaf).__name__}, which is not a pytree container, so it would come back as a "
-                "trace-time placeholder. Register the class: sg.tree.register_dataclass({type(leaf).__name__}) for a dataclass, "
+                "trace-time placeholder. Register the class: "
+                f"sg.tree.register_dataclass({type(leaf).__name__}) for a dataclass, "
                 "sg.tree.register_node otherwise; or return the tensors in a dict, list or tuple."
             )
 
