@@ -8,6 +8,7 @@ as constants on the way in, leaked as trace-time fake tensors on the way out).
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any
 
 import torch
@@ -16,13 +17,15 @@ from torch import nn
 __all__ = ["find_hidden_tensor"]
 
 _MAX_DEPTH = 4
+_OPAQUE = (nn.Module, type, str, bytes, types.FunctionType, types.ModuleType, torch.device, torch.dtype)
 
 
 def find_hidden_tensor(value: Any) -> str | None:
     """The path of the first tensor inside ``value`` (e.g. ``.a`` or ``[0]``), or None.
 
-    Looks inside dataclasses, list/tuple/dict subclasses and sets, a few levels deep;
-    not inside modules or other objects, which own their tensors on purpose.
+    Looks inside dataclasses, list/tuple/dict subclasses, sets and the attributes of
+    plain objects, a few levels deep; not inside modules, which own their tensors on
+    purpose, nor classes and functions.
 
     Example:
         >>> find_hidden_tensor(MyDataclass(a=torch.ones(1)))
@@ -34,7 +37,7 @@ def find_hidden_tensor(value: Any) -> str | None:
 def _search(value: Any, depth: int, seen: set[int]) -> str | None:
     if isinstance(value, torch.Tensor):
         return ""
-    if depth >= _MAX_DEPTH or id(value) in seen or isinstance(value, (nn.Module, type, str, bytes)):
+    if depth >= _MAX_DEPTH or id(value) in seen or isinstance(value, _OPAQUE):
         return None
     seen.add(id(value))
     for where, child in _children(value):
@@ -53,4 +56,9 @@ def _children(value: Any) -> list[tuple[str, Any]]:
         return [(f"[{i}]", v) for i, v in enumerate(value)]
     if isinstance(value, (set, frozenset)):
         return [(" (an element)", v) for v in value]
-    return []
+    attributes = dict(getattr(value, "__dict__", None) or {})
+    for cls in type(value).__mro__:
+        for name in getattr(cls, "__slots__", ()):
+            if isinstance(name, str) and hasattr(value, name):
+                attributes[name] = getattr(value, name)
+    return [(f".{k}", v) for k, v in attributes.items() if isinstance(k, str)]

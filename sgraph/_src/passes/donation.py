@@ -10,12 +10,16 @@ the user can observe changes:
    (``params['w']`` takes ``result[0]['w']``), then flattening order, as in JAX.
    An input the step already writes in place keeps that write instead. Outputs
    that are inputs returned unchanged are never written into another input.
-3. A donated input matched to nothing is reported with a :class:`DonationWarning`.
+3. A donated input matched to nothing is reported with a :class:`DonationWarning`;
+   so is one whose elements share memory (an expanded view), which cannot hold a
+   result of its own shape.
 
 After matching, an output that shares memory with a donated input's new value —
 a view of a donated input, or the same value (or a view of it) returned a second
 time, say in a metrics dict — is cloned, so the next call's writes into that
-input cannot change what the user holds.
+input cannot change what the user holds. A step with donated arguments returns no
+value twice at all (later places get copies): any output may be passed back as a
+donated input on the next call.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ def donation(program: Program) -> Program:
     aliases = _match(program, values, inputs)
     owners = {values[o] for o, _ in aliases if isinstance(values[o], Node)}
     _clone_sharing(gm, values, owners | donated, skip={o for o, _ in aliases})
+    if program.donated:
+        _clone_repeats(gm, values)
     output_node(gm.graph).args = (values,)
     gm.recompile()
     return program.replace(graph_module=gm, aliases=tuple(aliases), passes=program.passes + ("donation",))
@@ -68,6 +74,9 @@ def _match(program: Program, values: list, inputs: list) -> list[tuple[int, int]
             used.update(same)
     matched = {i for _, i in aliases}
     for index in sorted(program.donated - program.written_inputs() - matched):
+        if _overlaps_itself(inputs[index]):
+            _warn_unused(program, index, "its elements share memory (an expanded view), so it cannot hold a result")
+            continue
         choice = _choose(leaves[index], outputs, values, returned_inputs, used)
         if choice is None:
             _warn_unused(program, index)
@@ -99,15 +108,50 @@ def _within_argument(path: str) -> str:
     return re.sub(r"^[A-Za-z_][A-Za-z0-9_]*(\[\d+\])?", "", path) if not path.startswith(("[", ".")) else path
 
 
-def _warn_unused(program: Program, index: int) -> None:
+def _overlaps_itself(node: Node) -> bool:
+    """Whether two elements of the input may share memory (judged from its strides)."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return False
+    dims = sorted((stride, size) for size, stride in zip(val.shape, val.stride()) if size > 1)
+    reach = 1
+    for stride, size in dims:
+        if stride < reach:
+            return True
+        reach = stride * size
+    return False
+
+
+def _warn_unused(program: Program, index: int, why: str = "") -> None:
     leaf = program.tensor_inputs[index]
+    reason = why or "it matches no output of the same shape, dtype and device"
     warnings.warn(
-        f"{program.name}: donated input {leaf.path} ({leaf.describe()}) matches no output of the "
-        "same shape, dtype and device, so its memory is not reused. Return its new value from the "
-        "step, or stop donating it.",
+        f"{program.name}: donated input {leaf.path} ({leaf.describe()}) is not reused: {reason}. "
+        "Return its new value from the step, or stop donating it.",
         DonationWarning,
         stacklevel=2,
     )
+
+
+def _clone_repeats(gm: torch.fx.GraphModule, values: list) -> None:
+    """Clone each computed output whose memory an earlier output already returned."""
+    seen: set[Node] = set()
+    for i, node in enumerate(values):
+        if not isinstance(node, Node) or node.op == "placeholder":
+            continue
+        root = alias_root(node)
+        if root in seen and root.op != "placeholder":
+            _clone_at(gm, values, i)
+        else:
+            seen.add(root)
+
+
+def _clone_at(gm: torch.fx.GraphModule, values: list, i: int) -> None:
+    node = values[i]
+    with gm.graph.inserting_after(node):
+        clone = gm.graph.call_function(torch.ops.aten.clone.default, (node,))
+    clone.meta = dict(node.meta)
+    values[i] = clone
 
 
 def _clone_sharing(gm: torch.fx.GraphModule, values: list, owners: set, skip: set[int]) -> None:
@@ -122,7 +166,4 @@ def _clone_sharing(gm: torch.fx.GraphModule, values: list, owners: set, skip: se
         if node.op == "placeholder" and not skip:
             continue
         if node in owners or alias_root(node) in owners:
-            with gm.graph.inserting_after(node):
-                clone = gm.graph.call_function(torch.ops.aten.clone.default, (node,))
-            clone.meta = dict(node.meta)
-            values[i] = clone
+            _clone_at(gm, values, i)
