@@ -132,8 +132,8 @@ def _check_tensor(api: str, t: torch.Tensor, path: str, grad_on: bool) -> None:
     if type(t).__name__ == "DTensor":
         raise UnsupportedError(
             f"{api}: {path} is a DTensor; sg.static takes plain tensors for now (sharded steps come "
-            "with sg.shard). Run a step over DTensors (e.g. an FSDP2 model through sg.functional) "
-            "without sg.static, or pass local tensors (dtensor.to_local())."
+            "with sg.shard). A step over DTensors (e.g. an FSDP2 model through sg.functional) trains "
+            "correctly without sg.static: call the step function itself."
         )
     if torch._C._functorch.is_functorch_wrapped_tensor(t):
         raise UnsupportedError(

@@ -139,6 +139,27 @@ def grads_are_sharded_and_averaged_over_ranks(rank: int, mesh) -> None:
 
 
 @_check
+def static_step_over_fsdp_params_raises_unsupported(rank: int, mesh) -> None:
+    """Until sg.shard, DTensor inputs to sg.static are refused at trace time (never fake results)."""
+    apply, params, buffers = sg.functional(_sharded(_reference(), mesh))
+    opt = sg.optim.sgd(0.1)
+
+    def step(params, opt_state, x):
+        loss, grads = sg.value_and_grad(lambda p: apply(p, buffers, x).square().mean())(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return sg.optim.apply_updates(params, updates), opt_state, loss
+
+    x = _local(_batch(), rank)
+    for donate in ((), ("params", "opt_state")):
+        try:
+            sg.static(step, donate=donate)(params, opt.init(params), x)
+        except sg.UnsupportedError as e:
+            assert "params['0.bias'] is a DTensor" in str(e), str(e)
+        else:
+            raise AssertionError(f"no UnsupportedError with donate={donate}")
+
+
+@_check
 def fsdp_still_works_after_apply(rank: int, mesh) -> None:
     reference = _reference()
     model = _sharded(reference, mesh)
