@@ -313,3 +313,41 @@ def test_checkpointed_sg_random_dropout_matches_eager():
 
     args = (torch.ones(8), torch.arange(8.0), sg.random.key(0))
     assert torch.equal(sg.static(lambda w, x, k: sg.grad(loss)(w, x, k))(*args), sg.grad(loss)(*args))
+
+
+# --------------------------------------------------------------------------- clean failures
+
+
+def _process_state():
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from sgraph._src import guards
+
+    return (
+        guards.is_tracing(),
+        len(_get_current_function_mode_stack()),
+        len(_get_current_dispatch_mode_stack()),
+        torch.is_grad_enabled(),
+        torch.get_default_dtype(),
+        torch.cuda.synchronize,
+        torch.manual_seed,
+        torch.get_rng_state().clone(),
+    )
+
+
+@pytest.mark.parametrize(
+    "step",
+    [
+        lambda x: x.item() + x,  # a capture error while tracing
+        lambda x: x.view(7),  # torch's own error while tracing
+        lambda x: torch.manual_seed(3) and x,  # an RNG change, undone
+        lambda x: Box(x),  # an escaping tensor, found after tracing
+    ],
+)
+def test_a_failed_trace_leaves_the_process_as_it_was(step):
+    before = _process_state()
+    with pytest.raises((sg.SgraphError, RuntimeError)):
+        sg.static(step)(torch.ones(6))
+    after = _process_state()
+    assert after[:-1] == before[:-1] and torch.equal(after[-1], before[-1])
