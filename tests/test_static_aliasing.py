@@ -149,3 +149,30 @@ def test_aliasing_checks_follow_each_call():
     held = params["w"]
     params, out = static(params, held)  # now the other input is the donated tensor itself
     assert torch.equal(out, torch.ones(2)) and torch.equal(params["w"], torch.full((2,), 2.0))
+
+
+def test_a_train_step_updates_donated_params_in_place_with_no_copies():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 3))
+    apply, params, _ = sg.functional(model)
+    opt = sg.optim.adamw(1e-3)
+
+    @sg.static(donate=("params", "opt_state"))
+    def step(params, opt_state, x):
+        loss, grads = sg.value_and_grad(lambda p: apply(p, {}, x).square().mean())(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return sg.optim.apply_updates(params, updates), opt_state, {"loss": loss}
+
+    targets = [str(n.target) for n in step.lower(params, opt.init(params), torch.ones(2, 4)).program.ops()]
+    assert targets.count("sgraph.adamw_.default") == 1 and "sgraph.adamw.default" not in targets
+    assert "aten.clone.default" not in targets  # the fused update's outputs are distinct tensors
+
+
+def test_a_value_returned_twice_is_copied_once_views_of_it_too():
+    @sg.static(donate="params")
+    def step(params):
+        new = params["w"] * 2
+        return {"w": new}, {"again": new, "view": new[:1], "pair": torch.split(new, 2)}
+
+    targets = [str(n.target) for n in step.lower({"w": torch.ones(4)}).program.ops()]
+    assert targets.count("aten.clone.default") == 4  # again, view, and both split halves

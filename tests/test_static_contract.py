@@ -351,3 +351,31 @@ def test_a_failed_trace_leaves_the_process_as_it_was(step):
         sg.static(step)(torch.ones(6))
     after = _process_state()
     assert after[:-1] == before[:-1] and torch.equal(after[-1], before[-1])
+
+
+def test_only_ops_that_draw_random_numbers_count_as_recomputed_randomness():
+    from sgraph._src.capture import _draws_random_numbers
+
+    aten = torch.ops.aten
+    q = torch.ones(1, 1, 2, 4)
+    assert _draws_random_numbers(aten.native_dropout.default, (q, 0.5, True), {})
+    assert not _draws_random_numbers(aten.native_dropout.default, (q, 0.0, True), {})
+    assert not _draws_random_numbers(aten.native_dropout.default, (q, 0.5, False), {})
+    assert not _draws_random_numbers(aten._scaled_dot_product_flash_attention.default, (q, q, q), {})
+    assert _draws_random_numbers(aten._scaled_dot_product_flash_attention.default, (q, q, q, 0.1), {})
+    backward = aten._scaled_dot_product_cudnn_attention_backward.default
+    assert torch.Tag.nondeterministic_seeded in backward.tags and not _draws_random_numbers(backward, (), {})
+
+
+def test_checkpointed_attention_without_dropout_matches_eager():
+    from torch.utils.checkpoint import checkpoint
+
+    def loss(w, x):
+        def block(a):
+            q = (a * w).reshape(1, 2, 3, 4)
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+        return checkpoint(block, x, use_reentrant=False).square().sum()
+
+    args = (torch.linspace(-1, 1, 24), torch.linspace(0, 2, 24))
+    torch.testing.assert_close(sg.static(sg.grad(loss))(*args), sg.grad(loss)(*args), rtol=1e-6, atol=0)

@@ -230,7 +230,7 @@ class SourceMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.context is None:
             self._check_closed_over(func, args, kwargs)
-            self._check_recomputed_randomness(func)
+            self._check_recomputed_randomness(func, args, kwargs)
         graph = _tracing_graph()
         last = _last_node(graph) if graph is not None else None
         try:
@@ -269,14 +269,14 @@ class SourceMode(TorchDispatchMode):
             return self.last_backward or user_source()
         return user_source()
 
-    def _check_recomputed_randomness(self, func: Any) -> None:
+    def _check_recomputed_randomness(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
         """A random op run by autograd is a forward op recomputed (``torch.utils.checkpoint``).
 
         Eager replays it with the RNG state saved at the forward, so both draw the same
         numbers; a traced step records two independent draws, and the gradient would
         no longer be the gradient of the forward it differentiates.
         """
-        if torch._C._current_autograd_node() is None or torch.Tag.nondeterministic_seeded not in func.tags:
+        if torch._C._current_autograd_node() is None or not _draws_random_numbers(func, args, kwargs):
             return
         source = self._source()
         raise CaptureError(
@@ -314,6 +314,25 @@ def _data_dependent_message(api: str, op: str, source: Source | None) -> str:
         f"which cannot be captured into a graph (tensors have no values while the step is traced). "
         f"{_DATA_DEPENDENT_FIX}"
     )
+
+
+def _draws_random_numbers(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a forward op draws from the generator on this call.
+
+    Backward ops tagged random (attention backward with dropout) replay the seed their
+    forward saved; attention and dropout with probability 0 (or not training) draw nothing.
+    """
+    if not isinstance(func, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    if func._schema.name.endswith("_backward"):
+        return False
+    for i, arg in enumerate(func._schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(arg.name, arg.default_value)
+        if arg.name in ("dropout_p", "p") and value == 0:
+            return False
+        if arg.name in ("train", "training") and value is False:
+            return False
+    return True
 
 
 def _has_symbolic_shape(out: Any) -> bool:

@@ -21,7 +21,16 @@ from .capture import SOURCE_KEY, Source
 from .text import describe_tensor
 from .tree import PyTreeSpec
 
-__all__ = ["LeafInfo", "Program", "alias_root", "output_node", "placeholders", "returned", "written_args"]
+__all__ = [
+    "LeafInfo",
+    "Program",
+    "alias_root",
+    "memory_root",
+    "output_node",
+    "placeholders",
+    "returned",
+    "written_args",
+]
 
 
 @dataclass(frozen=True)
@@ -196,6 +205,34 @@ def alias_root(node: torch.fx.Node) -> torch.fx.Node:
             break
         node = cast(torch.fx.Node, node.args[0])
     return node
+
+
+def memory_root(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose memory ``node`` lives in: like :func:`alias_root`, except that an
+    output of an op returning fresh tensors (a foreach op, a fused optimizer) is its own
+    memory, not its siblings'."""
+    while node.op == "call_function":
+        target = node.target
+        if target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+            if not _returns_views(node.args[0]):
+                return node
+            node = node.args[0]
+            continue
+        if not isinstance(target, torch._ops.OpOverload) or not target._schema.arguments:
+            break
+        returns, first = target._schema.returns, target._schema.arguments[0]
+        if not returns or returns[0].alias_info is None or first.alias_info is None:
+            break
+        node = cast(torch.fx.Node, node.args[0])
+    return node
+
+
+def _returns_views(node: torch.fx.Node) -> bool:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return True  # unknown: assume shared memory, the safe answer
+    returns = target._schema.returns
+    return bool(returns) and returns[0].alias_info is not None
 
 
 def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -31,7 +31,7 @@ from typing import cast
 import torch
 
 from ..errors import DonationWarning
-from ..program import LeafInfo, Program, alias_root, output_node, placeholders, returned
+from ..program import LeafInfo, Program, memory_root, output_node, placeholders, returned
 
 __all__ = ["donation"]
 
@@ -139,7 +139,7 @@ def _clone_repeats(gm: torch.fx.GraphModule, values: list) -> None:
     for i, node in enumerate(values):
         if not isinstance(node, Node) or node.op == "placeholder":
             continue
-        root = alias_root(node)
+        root = memory_root(node)
         if root in seen and root.op != "placeholder":
             _clone_at(gm, values, i)
         else:
@@ -165,5 +165,5 @@ def _clone_sharing(gm: torch.fx.GraphModule, values: list, owners: set, skip: se
             continue
         if node.op == "placeholder" and not skip:
             continue
-        if node in owners or alias_root(node) in owners:
+        if node in owners or memory_root(node) in owners:
             _clone_at(gm, values, i)

@@ -114,11 +114,9 @@ class CudaGraphExecutable:
         stream.wait_stream(torch.cuda.current_stream())
         try:
             results = self._run_eagerly(inputs, stream)
-            rng = torch.cuda.get_rng_state()
             try:
                 self._capture(inputs, stream)
             except CaptureError as error:
-                torch.cuda.set_rng_state(rng)  # a failed capture drew no real numbers
                 self._give_up_capturing(error)
         finally:
             torch.cuda.current_stream().wait_stream(stream)
@@ -181,6 +179,7 @@ def _captured(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, body: Any)
     """
     failure: Exception | None = None
     torch.cuda.synchronize()
+    rng = _rng_snapshot()
     with torch.no_grad(), torch.cuda.stream(stream):
         graph.capture_begin(capture_error_mode="thread_local")
         try:
@@ -192,7 +191,32 @@ def _captured(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, body: Any)
                 graph.capture_end()
             except Exception as error:
                 failure = failure or error
+    if failure is not None:
+        _rng_restore(rng)
     return failure
+
+
+def _rng_snapshot() -> tuple[Any, Any]:
+    """The CUDA generator and a copy of its state, taken before a capture."""
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    if hasattr(generator, "clone_state") and hasattr(generator, "graphsafe_set_state"):
+        return generator, generator.clone_state()
+    return None, torch.cuda.get_rng_state()
+
+
+def _rng_restore(snapshot: tuple[Any, Any]) -> None:
+    """Undo a failed capture's hold on the CUDA generator.
+
+    A capture registers the generator's state; when the capture fails, torch never
+    releases it, and every later random op raises "Offset increment outside graph
+    capture". Swapping in the copy taken before the capture gives the generator a
+    fresh state object with the numbers it had then.
+    """
+    generator, saved = snapshot
+    if generator is not None:
+        generator.graphsafe_set_state(saved)
+    else:
+        torch.cuda.set_rng_state(saved)
 
 
 class _NamingInterpreter(torch.fx.Interpreter):
