@@ -379,3 +379,13 @@ def test_checkpointed_attention_without_dropout_matches_eager():
 
     args = (torch.linspace(-1, 1, 24), torch.linspace(0, 2, 24))
     torch.testing.assert_close(sg.static(sg.grad(loss))(*args), sg.grad(loss)(*args), rtol=1e-6, atol=0)
+
+
+def test_an_in_place_write_into_an_expanded_view_raises():
+    def step(w):
+        w.expand(2, *w.shape).zero_()  # eager writes each element once; a functional graph would sum
+        return w + 1
+
+    with pytest.raises(sg.CaptureError, match="writes in place into an expanded view"):
+        sg.static(step, donate=0)(torch.randn(3))
+    assert torch.equal(sg.static(lambda x: x.expand(2, 3) * 2)(torch.ones(3)), torch.full((2, 3), 2.0))

@@ -231,6 +231,7 @@ class SourceMode(TorchDispatchMode):
         if self.context is None:
             self._check_closed_over(func, args, kwargs)
             self._check_recomputed_randomness(func, args, kwargs)
+            self._check_overlapping_write(func, args, kwargs)
         graph = _tracing_graph()
         last = _last_node(graph) if graph is not None else None
         try:
@@ -268,6 +269,26 @@ class SourceMode(TorchDispatchMode):
                 self.last_backward = tagged.as_backward()
             return self.last_backward or user_source()
         return user_source()
+
+    def _check_overlapping_write(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        """An in-place write into an expanded view (elements sharing memory): eager writes
+        each memory location once, but a functional graph cannot express that (torch's
+        functionalization sums the view's elements back into its base)."""
+        if not isinstance(func, torch._ops.OpOverload):
+            return
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            if isinstance(value, torch.Tensor) and any(
+                size > 1 and stride == 0 for size, stride in zip(value.shape, value.stride())
+            ):
+                raise CaptureError(
+                    f"{self.api}: {func} writes in place into an expanded view (elements that share "
+                    f"memory){where(self._source())}, which a compiled step cannot reproduce. Write into "
+                    "the tensor it expands instead (w.zero_() rather than w.expand(...).zero_()), or "
+                    "compute a new tensor."
+                )
 
     def _check_recomputed_randomness(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
         """A random op run by autograd is a forward op recomputed (``torch.utils.checkpoint``).
