@@ -1,5 +1,22 @@
+import os
+
 import pytest
 import torch
+import torch.distributed as dist
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """A one-process gloo mesh on the CPU (the process group is made here if none exists)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    owned = not dist.is_initialized()
+    if owned:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (dist.get_world_size(),))
+    if owned:
+        dist.destroy_process_group()
 
 
 def pytest_collection_modifyitems(config, items):

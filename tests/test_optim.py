@@ -493,19 +493,6 @@ def test_traced_step_has_no_host_sync_and_replays_for_new_counts():
 # --------------------------------------------------------------------------- DTensor
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    dist = pytest.importorskip("torch.distributed")
-    from torch.distributed.device_mesh import init_device_mesh
-
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield init_device_mesh("cpu", (dist.get_world_size(),))
-    if owned:
-        dist.destroy_process_group()
-
-
 def test_dtensor_leaves_match_plain_tensors(mesh):
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
 
 import sgraph as sg
 from sgraph._src.argtree import ArgFlattener
@@ -62,19 +59,6 @@ def test_static_floats_compare_by_bits_and_nan_equals_nan():
     assert sig((torch.zeros(1), -0.0), ["x", "s"]).difference(sig((torch.zeros(1), 0.0), ["x", "s"])) == (
         "s: static 0.0 (float) -> static -0.0 (float)"
     )
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-
-    owned = not dist.is_initialized()
-    if owned:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    if owned:
-        dist.destroy_process_group()
 
 
 def test_dtensor_placements_are_part_of_the_signature(mesh):

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import sgraph as sg
@@ -90,19 +88,6 @@ def test_a_static_step_called_inside_another_is_part_of_it():
     x = torch.arange(3.0)
     assert torch.equal(outer(x), x.sin() * 2 + 1)
     assert inner.trace_count == 0 and outer.trace_count == 1
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-
-    owned = not dist.is_initialized()
-    if owned:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    if owned:
-        dist.destroy_process_group()
 
 
 def test_dtensor_inputs_raise_unsupported_saying_what_works(mesh):

@@ -192,29 +192,25 @@ def _output_lines(program: Program) -> list[str]:
 
 
 def alias_root(node: torch.fx.Node) -> torch.fx.Node:
-    """Follow views (ops whose result aliases their first argument) back to their base."""
-    while node.op == "call_function":
-        target = node.target
-        if target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
-            node = node.args[0]
-            continue
-        if not isinstance(target, torch._ops.OpOverload) or not target._schema.arguments:
-            break
-        returns, first = target._schema.returns, target._schema.arguments[0]
-        if not returns or returns[0].alias_info is None or first.alias_info is None:
-            break
-        node = cast(torch.fx.Node, node.args[0])
-    return node
+    """Follow views (ops whose result aliases their first argument) back to their base.
+
+    Every output of a multi-output op counts as that op (conservative: for a foreach op
+    the outputs are in fact distinct tensors; see :func:`memory_root`)."""
+    return _root(node, fresh_outputs_are_roots=False)
 
 
 def memory_root(node: torch.fx.Node) -> torch.fx.Node:
     """The node whose memory ``node`` lives in: like :func:`alias_root`, except that an
     output of an op returning fresh tensors (a foreach op, a fused optimizer) is its own
     memory, not its siblings'."""
+    return _root(node, fresh_outputs_are_roots=True)
+
+
+def _root(node: torch.fx.Node, *, fresh_outputs_are_roots: bool) -> torch.fx.Node:
     while node.op == "call_function":
         target = node.target
         if target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
-            if not _returns_views(node.args[0]):
+            if fresh_outputs_are_roots and not _returns_views(node.args[0]):
                 return node
             node = node.args[0]
             continue

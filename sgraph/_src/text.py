@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["describe_tensor"]
+__all__ = ["describe_tensor", "short_dtype"]
 
 
 def describe_tensor(dtype: torch.dtype | None, shape: tuple[int, ...], device: torch.device | None = None) -> str:
     """``f32[64, 1024]`` (with ``@cuda:0`` when not on the CPU)."""
-    text = f"{_DTYPE_SHORT.get(dtype, str(dtype).replace('torch.', ''))}{list(shape)}"
+    text = f"{short_dtype(dtype)}{list(shape)}"
     return text if device is None or device.type == "cpu" else f"{text}@{device}"
+
+
+def short_dtype(dtype: torch.dtype | None) -> str:
+    """``f32``, ``bf16``, ``i64``...: a dtype as listings write it."""
+    return _DTYPE_SHORT.get(dtype, str(dtype).replace("torch.", ""))
 
 
 _DTYPE_SHORT: dict[torch.dtype | None, str] = {

@@ -18,23 +18,16 @@ from typing import Any
 import torch
 
 from .. import tree
+from ..text import short_dtype
 
 __all__ = ["state_repr", "state_html"]
 
 _SHAPES_SHOWN = 3
 _ROWS_SHOWN = 50
-_DTYPES = {
-    torch.float32: "f32",
-    torch.float64: "f64",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.int64: "i64",
-    torch.int32: "i32",
-}
 
 
 def _dtype(dtype: torch.dtype) -> str:
-    return _DTYPES.get(dtype, str(dtype).removeprefix("torch."))
+    return short_dtype(dtype)
 
 
 def _amount(n: int) -> str:
