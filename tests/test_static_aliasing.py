@@ -176,3 +176,14 @@ def test_a_value_returned_twice_is_copied_once_views_of_it_too():
 
     targets = [str(n.target) for n in step.lower({"w": torch.ones(4)}).program.ops()]
     assert targets.count("aten.clone.default") == 4  # again, view, and both split halves
+
+
+def test_an_output_computed_from_a_view_of_an_undonated_input_never_writes_into_it():
+    @sg.static(donate="params")
+    def step(params, x):
+        return {"w": x.reshape(3) - params["w"]}  # the new params["w"] starts from a view of x
+
+    x = torch.tensor([[1.0, 2.0, 3.0]])
+    out = step({"w": torch.ones(3)}, x)
+    assert torch.equal(x, torch.tensor([[1.0, 2.0, 3.0]]))
+    assert torch.equal(out["w"], torch.tensor([0.0, 1.0, 2.0]))

@@ -22,7 +22,7 @@ import torch
 import torch.fx
 
 from ..kernels.adamw import INPLACE_FORMS, written_lists
-from ..program import Program, alias_root, placeholders, returned
+from ..program import Program, alias_root, memory_root, placeholders, returned
 
 __all__ = ["reinplace"]
 
@@ -130,8 +130,8 @@ def _safe(
         # Only into the donated input this very result is written into.
         if result is None or target_of.get(result) is not self_node:
             return False
-    elif len(self_node.users) != 1:
-        return False
+    elif len(self_node.users) != 1 or memory_root(self_node) is not self_node:
+        return False  # read again later, or a view: its base may be an input or read elsewhere
     if _other_args_alias(op, self_node, selves):
         return False
     return all(order[r] <= order[op] for r in _readers(self_node))
