@@ -493,23 +493,31 @@ def test_traced_step_has_no_host_sync_and_replays_for_new_counts():
 # --------------------------------------------------------------------------- DTensor
 
 
-def test_dtensor_leaves_match_plain_tensors(mesh):
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+def _plain_and_sharded(opt, mesh, steps=3):
+    """Run ``opt`` for a few steps on plain params and on the same params as Shard(0) DTensors."""
+    from torch.distributed.tensor import Shard, distribute_tensor
 
-    adamw = sg.optim.adamw(sg.optim.cosine(1e-2, 5), weight_decay=0.1)
-    opt = sg.optim.chain(sg.optim.clip_by_global_norm(0.5), adamw)
-    params = {"w": torch.randn(4, 3), "b": torch.randn(3)}
     shard = lambda t: distribute_tensor(t, mesh, [Shard(0)])  # noqa: E731
-    plain_p, dt_p = params, sg.tree.map(shard, params)
+    plain_p = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    dt_p = sg.tree.map(shard, plain_p)
     plain_s, dt_s = opt.init(plain_p), opt.init(dt_p)
-    for grads in ({"w": torch.randn(4, 3), "b": torch.randn(3)} for _ in range(3)):
+    for grads in ({"w": torch.randn(4, 3), "b": torch.randn(3)} for _ in range(steps)):
         u, plain_s = opt.update(grads, plain_s, plain_p)
         plain_p = sg.optim.apply_updates(plain_p, u)
         u, dt_s = opt.update(sg.tree.map(shard, grads), dt_s, dt_p)
         dt_p = sg.optim.apply_updates(dt_p, u)
+    return plain_p, dt_p, dt_s
+
+
+def test_dtensor_leaves_match_plain_tensors(mesh):
+    from torch.distributed.tensor import DTensor
+
+    adamw = sg.optim.adamw(sg.optim.cosine(1e-2, 5), weight_decay=0.1)
+    opt = sg.optim.chain(sg.optim.clip_by_global_norm(0.5), adamw)
+    plain_p, dt_p, dt_s = _plain_and_sharded(opt, mesh)
     assert all(isinstance(x, DTensor) for x in sg.tree.leaves((dt_p, dt_s[1].mu, dt_s[1].nu)))
     assert not isinstance(dt_s[1].count, DTensor)
-    for k in params:
+    for k in plain_p:
         # DTensor leaves take the foreach path, plain float32 ones the fused kernel:
         # the same math, rounded in another order.
         torch.testing.assert_close(dt_p[k].full_tensor(), plain_p[k], rtol=1e-6, atol=1e-7)
@@ -517,18 +525,9 @@ def test_dtensor_leaves_match_plain_tensors(mesh):
 
 @pytest.mark.parametrize("name", PURE_OPTIMIZERS)
 def test_every_optimizer_runs_on_dtensor_leaves(mesh, name):
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
-    opt = PURE_OPTIMIZERS[name]()
-    shard = lambda t: distribute_tensor(t, mesh, [Shard(0)])  # noqa: E731
-    plain_p = {"w": torch.randn(4, 3), "b": torch.randn(3)}
-    dt_p = sg.tree.map(shard, plain_p)
-    plain_s, dt_s = opt.init(plain_p), opt.init(dt_p)
-    for grads in ({"w": torch.randn(4, 3), "b": torch.randn(3)} for _ in range(3)):
-        u, plain_s = opt.update(grads, plain_s, plain_p)
-        plain_p = sg.optim.apply_updates(plain_p, u)
-        u, dt_s = opt.update(sg.tree.map(shard, grads), dt_s, dt_p)
-        dt_p = sg.optim.apply_updates(dt_p, u)
+    plain_p, dt_p, _ = _plain_and_sharded(PURE_OPTIMIZERS[name](), mesh)
     assert all(isinstance(x, DTensor) for x in sg.tree.leaves(dt_p))
     for k in plain_p:  # foreach path vs fused kernel for AdamW; the same ops otherwise
         torch.testing.assert_close(dt_p[k].full_tensor(), plain_p[k], rtol=1e-6, atol=1e-7)
