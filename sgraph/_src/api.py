@@ -87,12 +87,21 @@ class Transformed:
             return self._call_fn(args, kwargs)
         leaves, structure = self._flattener.flatten(args, kwargs)
         state = guards.global_state()
+        found = self._lookup(leaves, structure, state)
+        if found is not None:
+            return found[0].run(found[1])
+        return self._first_call(args, kwargs, leaves, structure, state)
+
+    def _lookup(
+        self, leaves: list[Any], structure: CallStructure, state: guards.GlobalState
+    ) -> tuple[Entry, Sequence[Any]] | None:
+        """The compiled entry that accepts this call, with the call's tensors."""
         for entry in self._entries.get(structure, ()):
             tensors = entry.accepts(leaves, state)
             if tensors is not None:
                 self._last = entry
-                return entry.run(tensors)
-        return self._first_call(args, kwargs, leaves, structure, state)
+                return entry, tensors
+        return None
 
     def _call_fn(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         if self._bound is None:
@@ -109,11 +118,9 @@ class Transformed:
     ) -> Any:
         """Trace, lower and compile for a new signature, then run (a CUDA graph captures on its first run)."""
         with self._lock:
-            for entry in self._entries.get(structure, ()):  # another thread may have made it meanwhile
-                tensors = entry.accepts(leaves, state)
-                if tensors is not None:
-                    self._last = entry
-                    return entry.run(tensors)
+            found = self._lookup(leaves, structure, state)  # another thread may have made it meanwhile
+            if found is not None:
+                return found[0].run(found[1])
             if self._fallback_reason is not None:
                 return self._call_fn(args, kwargs)
             self._check_binding(args, kwargs)
