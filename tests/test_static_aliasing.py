@@ -187,3 +187,13 @@ def test_an_output_computed_from_a_view_of_an_undonated_input_never_writes_into_
     out = step({"w": torch.ones(3)}, x)
     assert torch.equal(x, torch.tensor([[1.0, 2.0, 3.0]]))
     assert torch.equal(out["w"], torch.tensor([0.0, 1.0, 2.0]))
+
+
+def test_a_compiled_stage_called_directly_checks_aliasing_too():
+    def step(params, ema):
+        return {"w": params["w"] - 0.1}, ema["w"] * 1
+
+    params = {"w": torch.ones(3)}
+    compiled = sg.static(step, donate="params").lower(params, {"w": torch.zeros(3)}).compile()
+    new, old = compiled(params, dict(params))  # ema shares params' tensor
+    assert torch.equal(old, torch.ones(3)) and torch.allclose(new["w"], torch.full((3,), 0.9))

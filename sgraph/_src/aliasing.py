@@ -24,7 +24,7 @@ import torch
 
 from .errors import ArgumentError
 
-__all__ = ["AliasGuard"]
+__all__ = ["AliasGuard", "copy_exactly", "extent"]
 
 
 class AliasGuard:
@@ -33,8 +33,9 @@ class AliasGuard:
     Args:
         name: the step, for messages (``sg.static(train_step)``).
         paths: each tensor input's path.
-        example: the tensors of the first call (their extents are the signature's).
-        donated: positions (in ``example``) of donated inputs.
+        extents: each tensor input's bytes from its first element to past its last
+            (fixed by the signature: shape, strides, dtype), see :func:`extent`.
+        donated: positions of donated inputs.
         written: donated positions the step writes in place.
     """
 
@@ -42,16 +43,16 @@ class AliasGuard:
         self,
         name: str,
         paths: Sequence[str],
-        example: Sequence[torch.Tensor],
+        extents: Sequence[int],
         donated: frozenset[int],
         written: frozenset[int],
     ) -> None:
         self.name = name
         self.paths = list(paths)
         self.donated = sorted(donated)
-        self.is_donated = [i in donated for i in range(len(example))]
+        self.is_donated = [i in donated for i in range(len(extents))]
         self.written = written
-        self.extent = [_extent(t) for t in example]
+        self.extent = list(extents)
         self._ok: list[int] | None = None
         self._starts: list[int] = []
         self._ends: list[int] = []
@@ -134,12 +135,16 @@ class AliasGuard:
 _data_ptr = torch.Tensor.data_ptr
 
 
-def _extent(t: torch.Tensor) -> int:
-    """Bytes from the tensor's first element to just past its last (0 when empty)."""
-    if t.numel() == 0:
+def extent(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> int:
+    """Bytes from a tensor's first element to just past its last (0 when empty)."""
+    if any(size == 0 for size in shape):
         return 0
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return (last + 1) * t.element_size()
+    last = sum((size - 1) * stride for size, stride in zip(shape, strides))
+    return (last + 1) * itemsize
+
+
+def _extent(t: torch.Tensor) -> int:
+    return extent(t.shape, t.stride(), t.element_size())
 
 
 def _overlaps(ptrs: list[int], extent: list[int]) -> list[tuple[int, int]]:

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from .aliasing import AliasGuard
 from .errors import ArgumentTypeError, SgraphError, UnsupportedError
 from .guards import GlobalState, ModuleFlags
 from .hidden import find_hidden_tensor
@@ -45,15 +44,6 @@ class Entry:
         self._take = _taker(tensor_at)
         tensors = self._take(leaves)
         self.check = TensorCheck(tensors)
-        program = compiled.program
-        traced = compiled.lowered.traced.program  # the step's own writes, before reinplacing adds ours
-        self.alias = AliasGuard(
-            program.name,
-            [leaf.path for leaf in program.tensor_inputs],
-            tensors,
-            program.donated,
-            frozenset(traced.written_inputs() & program.donated),
-        )
 
     def accepts(self, leaves: Sequence[Any], state: GlobalState) -> Sequence[torch.Tensor] | None:
         """The call's tensor leaves if this entry may run it, else None."""
@@ -81,7 +71,7 @@ class Entry:
 
     def run(self, tensors: Sequence[torch.Tensor]) -> Any:
         """Run on an accepted call's tensors; returns the step's output pytree."""
-        return self.compiled.call_tensors(self.alias.prepare(tensors))
+        return self.compiled.call_tensors(tensors)
 
 
 def _taker(positions: list[int]) -> Callable[[Sequence[Any]], Sequence[Any]]:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from . import tree
+from .aliasing import AliasGuard, extent
 from .argtree import ArgFlattener
 from .errors import ArgumentTypeError
 from .guards import global_state
@@ -164,6 +165,7 @@ class Compiled(_Stage):
         # tensor in graph order (the usual case), else a plan of (graph index, constant).
         self._plain_outputs = all(o.graph_index == i for i, o in enumerate(outputs))
         self._output_plan = [(o.graph_index, o.value) for o in outputs]
+        self.alias = _alias_guard(self.program, traced)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, structure = ArgFlattener().flatten(args, kwargs)
@@ -184,8 +186,9 @@ class Compiled(_Stage):
         return self.call_tensors([leaves[i] for i in self._positions])
 
     def call_tensors(self, tensors: Sequence[torch.Tensor]) -> Any:
-        """Run on the call's tensor leaves alone (already checked)."""
-        outputs = self.executable(tensors)
+        """Run on the call's tensor leaves alone (signature already checked); inputs that
+        share memory with donated ones are checked here, on every call."""
+        outputs = self.executable(self.alias.prepare(tensors))
         self.calls += 1
         if self._plain_outputs:
             return tree.unflatten(self.program.out_spec, outputs)
@@ -206,3 +209,17 @@ class Compiled(_Stage):
             trace_seconds=self.lowered.traced.seconds,
             lower_seconds=self.lowered.seconds,
         )
+
+
+def _alias_guard(program: Program, traced: Traced) -> AliasGuard:
+    """The per-call aliasing check of a program, from the byte extents its signature fixes."""
+    keys = [key for key in traced.signature.leaves if key[0] in ("tensor", "dtensor")]
+    extents = [extent(key[1], key[4], key[2].itemsize) if key[0] == "tensor" else 0 for key in keys]
+    written = traced.program.written_inputs()  # the step's own writes, before reinplacing adds ours
+    return AliasGuard(
+        program.name,
+        [leaf.path for leaf in program.tensor_inputs],
+        extents,
+        program.donated,
+        frozenset(written & program.donated),
+    )
