@@ -39,10 +39,12 @@ def _getter(name: str, *args: Any) -> Callable[[], Any] | None:
     return (lambda: fn(*args)) if args else fn
 
 
-def _autocast(device: str) -> list[tuple[str, Callable[[], Any] | None]]:
+def _autocast(device: str) -> tuple[str, Callable[[], Any] | None]:
+    """Autocast on ``device``: off (False) or its dtype."""
     enabled = _getter("is_autocast_enabled", device)
     dtype = _getter("get_autocast_dtype", device)
-    return [(f"autocast ({device})", lambda: bool(enabled()) and dtype()) if enabled and dtype else ("", None)]
+    getter = (lambda: bool(enabled()) and dtype()) if enabled and dtype else None
+    return f"autocast ({device})", getter
 
 
 # (name for messages, getter): every global whose value changes which ops a trace
@@ -53,8 +55,8 @@ _GLOBALS: list[tuple[str, Callable[[], Any]]] = [
         ("grad mode", torch.is_grad_enabled),
         ("inference mode", torch.is_inference_mode_enabled),
         ("default dtype", torch.get_default_dtype),
-        *_autocast("cpu"),
-        *_autocast("cuda"),
+        _autocast("cpu"),
+        _autocast("cuda"),
         ("deterministic algorithms", _getter("_get_deterministic_algorithms")),
         ("TF32 matmuls (torch.backends.cuda.matmul.allow_tf32)", _getter("_get_cublas_allow_tf32")),
         ("TF32 convolutions (torch.backends.cudnn.allow_tf32)", _getter("_get_cudnn_allow_tf32")),
@@ -130,15 +132,6 @@ class ModuleFlags:
     def hold(self) -> bool:
         """Whether every module still has the training flag it was traced with."""
         return [m.training for m in self.modules] == list(self.flags)
-
-    def changes(self) -> list[str]:
-        """``["training mode of module 'drop' (Dropout) changed: train -> eval"]``."""
-        mode = {True: "train", False: "eval"}
-        return [
-            f"training mode of {name} changed: {mode[was]} -> {mode[m.training]}"
-            for m, name, was in zip(self.modules, self.names, self.flags)
-            if m.training != was
-        ]
 
 
 def _module_name(name: str, module: nn.Module) -> str:

@@ -24,7 +24,7 @@ import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import guards, tree
-from .capture import SOURCE_KEY, GuardMode, Source, SourceMode, no_host_sync
+from .capture import SOURCE_KEY, GuardMode, Source, SourceMode
 from .cudnn_rnn import CudnnRnnGuard
 from .errors import CaptureError
 from .hidden import find_hidden_tensor
@@ -130,7 +130,7 @@ def trace(
         cast(int, info.graph_index) for i, info in enumerate(inputs) if i in layout.donated_leaves and info.is_tensor
     )
     flat_fn, result = _flat_step(fn, api, in_spec, leaves, bound)
-    with _TRACE_LOCK, guards.tracing() as modules, no_host_sync(api):
+    with _TRACE_LOCK, guards.tracing() as modules:  # GuardMode adds the sync and RNG guards
         autograd_graph = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
         functional = _functionalize(autograd_graph, tensors, api)
     _check_outputs(api, result["spec"], result["leaves"])
