@@ -111,7 +111,7 @@ def variant_handmade_graph(workload: str, compiled: bool, fused: bool) -> Callab
     return graph.replay
 
 
-def variant_sg_static(workload: str) -> Callable[[], None]:
+def variant_sg_static(workload: str, fuse: bool = False) -> Callable[[], None]:
     model, batch, loss = build(workload)
     apply, params, buffers = sg.functional(model)
     opt = sg.optim.adamw(LR, weight_decay=WEIGHT_DECAY)
@@ -123,11 +123,12 @@ def variant_sg_static(workload: str) -> Callable[[], None]:
             logits = apply(params, buffers, x)
         return loss(logits, y)
 
-    @sg.static(donate=("params", "opt_state"))
-    def train_step(params, opt_state, batch):
+    def step(params, opt_state, batch):
         value, grads = sg.value_and_grad(loss_fn)(params, batch)
         updates, opt_state = opt.update(grads, opt_state, params)
         return sg.optim.apply_updates(params, updates), opt_state, {"loss": value}
+
+    train_step = sg.static(sg.fuse(step) if fuse else step, donate=("params", "opt_state"))
 
     def run() -> None:
         state["params"], state["opt"], _ = train_step(state["params"], state["opt"], batch)
@@ -152,6 +153,7 @@ VARIANTS: dict[str, tuple[str, Callable[[str], Callable[[], None]]]] = {
         lambda w: variant_handmade_graph(w, compiled=True, fused=True),
     ),
     "sg-static": ("sg.static (eager kernels, one CUDA graph)", variant_sg_static),
+    "sg-fuse": ("sg.static + sg.fuse (generated kernels, one CUDA graph)", lambda w: variant_sg_static(w, fuse=True)),
 }
 SGRAPH = [k for k in VARIANTS if k.startswith("sg-")]
 
@@ -184,6 +186,7 @@ def measure(make: Callable[[str], Callable[[], None]], workload: str, steps: int
     if step is not None:
         stats = step.last_compiled.stats
         result.update(kernels=stats.kernel_launches, traces=stats.traces, capture_s=stats.capture_seconds)
+        result.update(trace_s=stats.trace_seconds, compile_s=stats.compile_seconds, unfused=stats.kernels_unfused)
     del run
     torch._dynamo.reset()
     return result

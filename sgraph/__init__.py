@@ -5,7 +5,7 @@ Write one pure train step over pytrees of tensors; ``sg.static`` captures it who
 """
 
 from . import optim, random, tree
-from ._src.api import Transformed, static
+from ._src.api import Transformed, fuse, static
 from ._src.errors import (
     ArgumentError,
     ArgumentTypeError,
@@ -43,6 +43,7 @@ __all__ = [
     "StaleBufferError",
     "TreeStructureError",
     "functional",
+    "fuse",
     "grad",
     "static",
     "value_and_grad",

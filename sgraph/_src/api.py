@@ -20,12 +20,23 @@ from . import guards
 from .argtree import ArgFlattener, CallStructure
 from .dispatch import Entry, check_call_inputs, nearest
 from .errors import ArgumentError, ArgumentTypeError, CaptureError, FallbackWarning, RetraceError, RetraceWarning
-from .options import Fallback, Options, OutputMode, Retrace, StaticOptions, check_donate, check_literal, check_unknown
+from .options import (
+    Fallback,
+    FuseOptions,
+    Options,
+    OutputMode,
+    Retrace,
+    StaticOptions,
+    check_donate,
+    check_kernels,
+    check_literal,
+    check_unknown,
+)
 from .signature import Signature, signature_of
 from .stages import Compiled, Counters, Traced
 from .trace import ArgLayout, arg_layout, trace
 
-__all__ = ["static", "Transformed"]
+__all__ = ["static", "fuse", "Transformed"]
 
 
 class Transformed:
@@ -55,8 +66,10 @@ class Transformed:
 
     @property
     def api(self) -> str:
-        """How messages name this step, e.g. ``sg.static(train_step)``."""
-        return f"sg.static({_name(self.fn)})"
+        """How messages name this step, e.g. ``sg.static(train_step)`` (the outermost
+        transform that decides how it runs: ``sg.static``, else ``sg.fuse``)."""
+        transform = "static" if self.options.static is not None or self.options.fuse is None else "fuse"
+        return f"sg.{transform}({_name(self.fn)})"
 
     @property
     def trace_count(self) -> int:
@@ -191,7 +204,8 @@ class Transformed:
     def _trace(self, args: Sequence[Any], kwargs: dict[str, Any], layout: ArgLayout, signature: Signature) -> Traced:
         start = time.perf_counter()
         bound = () if self._bound is None else (self._instance(),)
-        program = trace(self.fn, args, kwargs, api=self.api, layout=layout, bound=bound)
+        kernels = self.options.fuse.kernels if self.options.fuse is not None else ()
+        program = trace(self.fn, args, kwargs, api=self.api, layout=layout, bound=bound, kernels=kernels)
         self._counters.traces += 1
         signature = Signature(
             signature.structure,
@@ -250,6 +264,17 @@ class Transformed:
             for k in ("donate", "retrace", "fallback", "outputs")
             if getattr(options, k) != getattr(default, k)
         ]
+        fuse = self.options.fuse
+        if fuse is not None:
+            fuse_shown = [
+                f" {k}={getattr(fuse, k)!r}"
+                for k in ("autotune", "kernels")
+                if getattr(fuse, k) != getattr(FuseOptions(), k)
+            ]
+            if self.options.static is not None:
+                shown.append(f" fuse({''.join(fuse_shown).strip().replace(' ', ', ')})")
+            else:
+                shown += fuse_shown
         head = f"<{self.api}{''.join(shown)}: {n} compiled signature{'s' * (n != 1)}, {self.trace_count} traces"
         if self._fallback_reason is not None:
             return head + f"; fell back to eager: {self._fallback_reason[:120]}>"
@@ -314,20 +339,80 @@ def static(
         check_literal(api, "retrace", retrace, Retrace)
         check_literal(api, "fallback", fallback, Fallback)
         check_literal(api, "outputs", outputs, OutputMode)
-        base, options = _unwrap(f)
+        base, options = _unwrap(f, "static")
         record = StaticOptions(check_donate(api, base, donate), retrace, fallback, outputs)
         return Transformed(base, options.with_static(record))
 
     return wrap if fn is None else wrap(fn)
 
 
-def _unwrap(f: Callable[..., Any]) -> tuple[Callable[..., Any], Options]:
+@overload
+def fuse(fn: Callable[..., Any], /) -> Transformed: ...
+@overload
+def fuse(
+    *, autotune: bool = False, kernels: str | Sequence[str] = "all"
+) -> Callable[[Callable[..., Any]], Transformed]: ...
+
+
+def fuse(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    autotune: bool = False,
+    kernels: str | Sequence[str] = "all",
+    **unknown: Any,
+) -> Transformed | Callable[[Callable[..., Any]], Transformed]:
+    """Compile the whole step into generated kernels (Triton on a GPU, C++ on CPU).
+
+    The traced step (forward, backward and update in one graph, after the other
+    passes) is lowered through TorchInductor as a library: pointwise ops, reductions
+    and casts fuse with their neighbours, the optimizer update runs as a few
+    multi-tensor kernels writing donated params and state in place, and known
+    patterns run on sgraph's own kernels. Inductor's settings are patched only while
+    sgraph compiles (your own ``torch.compile`` elsewhere is unaffected), and
+    sgraph, not Inductor, owns the CUDA graph. Under ``sg.static`` the fused step is
+    captured as one CUDA graph; alone, it runs without a graph.
+
+    Args:
+        fn: the pure step.
+        autotune: let Inductor benchmark kernel configurations (matmul templates
+            included) while compiling: slower first call, sometimes faster steps.
+        kernels: the own kernels to use where their pattern appears: ``"all"``,
+            a name, a tuple of names, or ``()`` for none. Known:
+            ``"linear_cross_entropy"`` (``F.cross_entropy(x @ W.T, y)`` computed in
+            row chunks, never materializing the full logits).
+
+    Returns:
+        A :class:`Transformed` step; stack with ``sg.static`` in either order.
+
+    Raises:
+        ArgumentError / ArgumentTypeError: an option has a wrong value or type, or
+            is not an option of ``sg.fuse``.
+
+    Example:
+        >>> @sg.static(donate=("params", "opt_state"))
+        ... @sg.fuse
+        ... def train_step(params, opt_state, batch): ...
+    """
+    check_unknown("sg.fuse", unknown, ("autotune", "kernels"))
+
+    def wrap(f: Callable[..., Any]) -> Transformed:
+        api = f"sg.fuse({_name(f)})"
+        if not isinstance(autotune, bool):
+            raise ArgumentTypeError(f"{api}: autotune must be True or False; found {autotune!r}.")
+        base, options = _unwrap(f, "fuse")
+        return Transformed(base, options.with_fuse(FuseOptions(autotune, check_kernels(api, kernels))))
+
+    return wrap if fn is None else wrap(fn)
+
+
+def _unwrap(f: Callable[..., Any], transform: str) -> tuple[Callable[..., Any], Options]:
     if isinstance(f, Transformed):
-        if f.options.static is not None:
-            raise ArgumentError(f"{f.api}: sg.static is applied twice; apply it once.")
+        if getattr(f.options, transform) is not None:
+            raise ArgumentError(f"{f.api}: sg.{transform} is applied twice; apply it once.")
         return f.fn, f.options
     if not callable(f):
-        raise ArgumentTypeError(f"sg.static: expected a function to transform; found {type(f).__name__}.")
+        raise ArgumentTypeError(f"sg.{transform}: expected a function to transform; found {type(f).__name__}.")
     return f, Options()
 
 

@@ -17,6 +17,9 @@ from .errors import ArgumentError, ArgumentTypeError
 __all__ = [
     "Options",
     "StaticOptions",
+    "FuseOptions",
+    "OWN_KERNELS",
+    "check_kernels",
     "Retrace",
     "Fallback",
     "OutputMode",
@@ -28,6 +31,9 @@ __all__ = [
 Retrace = Literal["warn", "error", "allow"]
 Fallback = Literal["none", "eager"]
 OutputMode = Literal["copy", "view"]
+
+OWN_KERNELS = ("linear_cross_entropy",)
+"""The own kernels ``sg.fuse`` can substitute for patterns of ATen ops."""
 
 
 @dataclass(frozen=True)
@@ -41,14 +47,26 @@ class StaticOptions:
 
 
 @dataclass(frozen=True)
+class FuseOptions:
+    """Options of ``sg.fuse``; see its docstring."""
+
+    autotune: bool = False
+    kernels: tuple[str, ...] = OWN_KERNELS
+
+
+@dataclass(frozen=True)
 class Options:
     """Everything the stacked transforms asked for; one record per transform."""
 
     static: StaticOptions | None = None
+    fuse: FuseOptions | None = None
     names: tuple[str, ...] = field(default=())
 
     def with_static(self, static: StaticOptions) -> Options:
         return replace(self, static=static, names=self.names + ("static",))
+
+    def with_fuse(self, fuse: FuseOptions) -> Options:
+        return replace(self, fuse=fuse, names=self.names + ("fuse",))
 
     @property
     def effective_static(self) -> StaticOptions:
@@ -60,6 +78,27 @@ def check_literal(api: str, name: str, value: Any, kind: Any) -> None:
     allowed = get_args(kind)
     if value not in allowed:
         raise ArgumentError(f"{api}: {name}={value!r} is not one of {', '.join(repr(a) for a in allowed)}.")
+
+
+def check_kernels(api: str, kernels: Any) -> tuple[str, ...]:
+    """Normalize ``kernels`` (``"all"``, a name, or a sequence of names) to a tuple of known names."""
+    if kernels == "all":
+        return OWN_KERNELS
+    items = (kernels,) if isinstance(kernels, str) else kernels
+    if not isinstance(items, (tuple, list)) or not all(isinstance(k, str) for k in items):
+        raise ArgumentTypeError(
+            f'{api}: kernels must be "all", a kernel name or a tuple of them; found {kernels!r}. '
+            f"The own kernels are {', '.join(OWN_KERNELS)}; kernels=() turns them all off."
+        )
+    for name in items:
+        if name not in OWN_KERNELS:
+            close = difflib.get_close_matches(name, OWN_KERNELS, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ArgumentError(
+                f"{api}: kernels names {name!r}, which is not an own kernel of sg.fuse; they are "
+                f"{', '.join(OWN_KERNELS)}.{hint}"
+            )
+    return tuple(dict.fromkeys(items))
 
 
 def check_unknown(api: str, unknown: dict[str, Any], known: Sequence[str]) -> None:

@@ -25,6 +25,7 @@ __all__ = [
     "LeafInfo",
     "Program",
     "alias_root",
+    "compute_ops",
     "memory_root",
     "output_node",
     "placeholders",
@@ -116,12 +117,28 @@ class Program:
         """The call nodes of the graph, in order."""
         return [n for n in self.graph.nodes if n.op == "call_function"]
 
-    def as_text(self) -> str:
-        """A readable listing: inputs with their paths, each op with its user source line."""
-        return _listing(self)
+    def as_text(self, notes: dict[str, str] | None = None) -> str:
+        """A readable listing: inputs with their paths, each op with its user source line
+        (and ``notes[node name]`` after it, where given)."""
+        return _listing(self, notes or {})
 
 
-def _listing(program: Program) -> str:
+def compute_ops(program: Program) -> int:
+    """The ops of the graph that compute data when run one by one: every call except
+    views, ``getitem`` and constants (a multi-tensor op counts once)."""
+    count = 0
+    for node in program.ops():
+        target = node.target
+        if target is operator.getitem or not isinstance(target, torch._ops.OpOverload):
+            continue
+        returns = target._schema.returns
+        if returns and returns[0].alias_info is not None and not returns[0].alias_info.is_write:
+            continue  # a view
+        count += 1
+    return count
+
+
+def _listing(program: Program, notes: dict[str, str]) -> str:
     tensor_inputs = program.tensor_inputs
     lines = [
         f"{program.name}: {len(program.ops())} ops, {len(tensor_inputs)} tensor inputs, "
@@ -136,7 +153,8 @@ def _listing(program: Program) -> str:
     for node in program.graph.nodes:
         if node.op in ("call_function", "get_attr"):
             text = f"  %{node.name} = {_target(node)}({_args(node)})"
-            body.append((text, _meta(node)))
+            note = notes.get(node.name)
+            body.append((text, _meta(node) + (f"  -> {note}" if note else "")))
             width = max(width, len(text))
     width = min(width, 88)
     lines += [f"{text:<{width}}  {meta}".rstrip() for text, meta in body]

@@ -22,7 +22,7 @@ from .errors import ArgumentTypeError
 from .guards import global_state
 from .options import Options
 from .passes.pipeline import lower as run_passes
-from .program import Program
+from .program import Program, compute_ops
 from .runtime.eager import EagerExecutable
 from .signature import Signature, signature_of
 from .trace import ArgLayout
@@ -43,10 +43,19 @@ class CompiledStats:
     """A snapshot of a compiled step's counters.
 
     Attributes:
-        runtime: ``"eager"`` (graph run op by op) or ``"cudagraph"``.
+        runtime: ``"eager"`` (graph run op by op), ``"cudagraph"`` (eager kernels in
+            one CUDA graph), ``"inductor"`` (generated kernels, no graph: ``sg.fuse``
+            alone, or on CPU) or ``"inductor+cudagraph"``.
         kernel_launches: kernels per step, counted from the captured CUDA graph
             (``None`` when there is no graph).
         capture_seconds: time spent warming up and capturing (``None`` without a graph).
+        kernels_unfused: under ``sg.fuse``, the kernels the same lowered step
+            launches op by op: its ATen ops that compute data (views excluded; a
+            multi-tensor op counts once, though ATen may split it into a few launches).
+        kernels_fused: under ``sg.fuse``, the kernel calls of the generated code per
+            step (generated kernels, library matmuls and own kernels alike).
+        compile_seconds: under ``sg.fuse``, time spent generating kernels (on-disk
+            cache hits included).
         calls: how many times this compiled step ran (replays, for a CUDA graph).
         traces / retraces: of the transformed function, at snapshot time.
         trace_seconds / lower_seconds: time spent in those stages for this signature.
@@ -60,11 +69,16 @@ class CompiledStats:
     retraces: int
     trace_seconds: float
     lower_seconds: float
+    kernels_unfused: int | None = None
+    kernels_fused: int | None = None
+    compile_seconds: float | None = None
 
     def __repr__(self) -> str:
         fields = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if value is None and f.name in ("kernels_unfused", "kernels_fused", "compile_seconds"):
+                continue  # only sg.fuse has them
             fields.append(f"{f.name}={value:.3g}" if isinstance(value, float) else f"{f.name}={value!r}")
         return f"CompiledStats({', '.join(fields)})"
 
@@ -136,13 +150,20 @@ class Lowered(_Stage):
         self.seconds = seconds
 
     def compile(self) -> Compiled:
-        """An executable for this Program: eager kernels on CPU, one CUDA graph on a GPU."""
+        """An executable for this Program: its ATen ops run eagerly, or under ``sg.fuse``
+        generated kernels; under ``sg.static`` on a GPU, either replays as one CUDA graph."""
+        options = self.traced.options
+        body: Any = None
+        if options.fuse is not None:
+            from .runtime.inductor import InductorExecutable
+
+            body = InductorExecutable(self.program, options.fuse)
         on_cuda = any(leaf.device is not None and leaf.device.type == "cuda" for leaf in self.program.tensor_inputs)
-        if on_cuda:
+        if on_cuda and options.static is not None:
             from .runtime.cudagraph import CudaGraphExecutable
 
-            return Compiled(self, CudaGraphExecutable(self.program, self.traced.options.effective_static))
-        return Compiled(self, EagerExecutable(self.program))
+            return Compiled(self, CudaGraphExecutable(self.program, options.effective_static, body))
+        return Compiled(self, body if body is not None else EagerExecutable(self.program))
 
 
 class Compiled(_Stage):
@@ -199,6 +220,7 @@ class Compiled(_Stage):
     def stats(self) -> CompiledStats:
         """Counters of this compiled step (see :class:`CompiledStats`)."""
         ex = self.executable
+        fused = self._fused
         return CompiledStats(
             runtime=getattr(ex, "runtime", "eager"),
             kernel_launches=getattr(ex, "kernel_launches", None),
@@ -208,7 +230,34 @@ class Compiled(_Stage):
             retraces=self._counters.retraces,
             trace_seconds=self.lowered.traced.seconds,
             lower_seconds=self.lowered.seconds,
+            kernels_unfused=None if fused is None else compute_ops(self.program),
+            kernels_fused=None if fused is None else fused.kernels.count,
+            compile_seconds=None if fused is None else fused.compile_seconds,
         )
+
+    @property
+    def _fused(self) -> Any:
+        """The Inductor executable, alone or inside the CUDA graph (None without ``sg.fuse``)."""
+        ex = self.executable
+        inner = getattr(ex, "body", None)
+        for candidate in (ex, inner):
+            if getattr(candidate, "runtime", None) == "inductor":
+                return candidate
+        return None
+
+    def as_text(self) -> str:
+        """The listing of :meth:`Program.as_text`; under ``sg.fuse`` each op also names the
+        generated kernel call(s) computing it (``#3 triton_per_fused_...``), and the
+        kernels follow, in the order they run, with the ops each one computes."""
+        fused = self._fused
+        if fused is None or not fused.kernels.of_node:
+            return self.program.as_text()
+        notes = {name: ", ".join(k.label for k in ks[:3]) for name, ks in fused.kernels.of_node.items()}
+        lines = [self.program.as_text(notes), f"  kernels ({fused.kernels.count} calls per step):"]
+        for kernel in fused.kernels.kernels:
+            ops = ", ".join(f"%{n}" for n in kernel.nodes[:8]) + (" ..." if len(kernel.nodes) > 8 else "")
+            lines.append(f"    {kernel.label}: {ops}")
+        return "\n".join(lines)
 
 
 def _alias_guard(program: Program, traced: Traced) -> AliasGuard:

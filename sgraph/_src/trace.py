@@ -13,6 +13,7 @@ input is touched):
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 from collections.abc import Callable, Sequence
@@ -28,6 +29,7 @@ from .capture import SOURCE_KEY, GuardMode, Source, SourceMode
 from .cudnn_rnn import CudnnRnnGuard
 from .errors import CaptureError
 from .hidden import find_hidden_tensor
+from .patterns import LinearCrossEntropyMode
 from .program import LeafInfo, Program, alias_root, placeholders, returned, written_args
 
 __all__ = ["ArgLayout", "trace", "arg_layout"]
@@ -105,6 +107,7 @@ def trace(
     api: str,
     layout: ArgLayout,
     bound: Sequence[Any] = (),
+    kernels: Sequence[str] = (),
 ) -> Program:
     """Trace ``fn(*bound, *args, **kwargs)`` into a functional Program.
 
@@ -117,6 +120,8 @@ def trace(
         api: the transform's name for messages, e.g. ``sg.static(train_step)``.
         layout: leaf paths and donated leaves from :func:`arg_layout`.
         bound: leading arguments that are not traced (a method's ``self``).
+        kernels: own kernels whose patterns are matched while tracing (``sg.fuse``'s
+            ``kernels`` option; see :mod:`patterns`).
 
     Returns:
         The Program, before any pass.
@@ -129,7 +134,7 @@ def trace(
     donated = frozenset(
         cast(int, info.graph_index) for i, info in enumerate(inputs) if i in layout.donated_leaves and info.is_tensor
     )
-    flat_fn, result = _flat_step(fn, api, in_spec, leaves, bound)
+    flat_fn, result = _flat_step(fn, api, in_spec, leaves, bound, kernels)
     with _TRACE_LOCK, guards.tracing() as modules:  # GuardMode adds the sync and RNG guards
         autograd_graph = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
         functional = _functionalize(autograd_graph, tensors, api)
@@ -162,7 +167,12 @@ def _input_infos(leaves: list[Any], paths: Sequence[str]) -> tuple[list[LeafInfo
 
 
 def _flat_step(
-    fn: Callable[..., Any], api: str, in_spec: tree.PyTreeSpec, leaves: list[Any], bound: Sequence[Any]
+    fn: Callable[..., Any],
+    api: str,
+    in_spec: tree.PyTreeSpec,
+    leaves: list[Any],
+    bound: Sequence[Any],
+    kernels: Sequence[str],
 ) -> tuple[Callable[..., list[torch.Tensor]], dict[str, Any]]:
     """``fn`` as a function of its tensor leaves only, returning its tensor outputs."""
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
@@ -173,7 +183,8 @@ def _flat_step(
         for i, t in zip(positions, tensors):
             full[i] = t
         args, kwargs = tree.unflatten(in_spec, full)
-        with GuardMode(api), CudnnRnnGuard(api), SourceMode(api):
+        patterns = LinearCrossEntropyMode() if "linear_cross_entropy" in kernels else contextlib.nullcontext()
+        with GuardMode(api), CudnnRnnGuard(api), SourceMode(api), patterns:
             out = fn(*bound, *args, **kwargs)
         out_leaves, result["spec"] = tree.flatten(out)
         result["leaves"] = out_leaves

@@ -41,13 +41,21 @@ __all__ = ["CudaGraphExecutable"]
 
 
 class CudaGraphExecutable:
-    """One CUDA graph for a Program; see the module docstring for buffer rules."""
+    """One CUDA graph for a Program; see the module docstring for buffer rules.
 
-    runtime = "cudagraph"
+    Args:
+        program: the lowered step.
+        options: ``sg.static``'s options.
+        body: what the graph captures, called with the inputs and returning the
+            outputs with donated ones already written (``sg.fuse``'s generated code);
+            ``None`` runs the Program's ATen ops one by one.
+    """
 
-    def __init__(self, program: Program, options: StaticOptions) -> None:
+    def __init__(self, program: Program, options: StaticOptions, body: Any = None) -> None:
         _check_devices(program)
         self.program = program
+        self.body = body
+        self.runtime = "cudagraph" if body is None else "inductor+cudagraph"
         self.options = options
         self.graph_module = program.graph_module
         self.aliases = program.aliases
@@ -125,6 +133,8 @@ class CudaGraphExecutable:
 
     def _run_eagerly(self, inputs: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> list[torch.Tensor]:
         with torch.no_grad(), torch.cuda.stream(stream):
+            if self.body is not None:
+                return list(self.body(inputs))
             results = list(self.graph_module(*inputs))
             write_back(inputs, results, self.aliases)
         return results
@@ -154,7 +164,10 @@ class CudaGraphExecutable:
         graph, kept = new_graph()
         recorder = _NamingInterpreter(self.program)
         outputs: list[torch.Tensor] = []
-        failure = _captured(graph, stream, lambda: outputs.extend(_record(recorder, graph_inputs, self.aliases)))
+        if self.body is not None:
+            failure = _captured(graph, stream, lambda: outputs.extend(self.body(graph_inputs)))
+        else:
+            failure = _captured(graph, stream, lambda: outputs.extend(_record(recorder, graph_inputs, self.aliases)))
         if failure is not None:
             raise recorder.capture_error(failure) from failure
         if kept:

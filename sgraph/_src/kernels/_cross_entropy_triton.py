@@ -1,0 +1,42 @@
+"""The Triton kernel of :mod:`cross_entropy_rows`, imported only when it runs
+(Triton is optional on CPU). In a process started with ``TRITON_INTERPRET=1`` it runs
+in Triton's interpreter, on CPU tensors too."""
+
+# mypy: ignore-errors
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def cross_entropy_rows(
+    z_ptr, z_stride, target_ptr, loss_ptr, scale_ptr, n_cols, ignore_index, smoothing, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = z_ptr + row * z_stride
+    y = tl.load(target_ptr + row)
+    running_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    running_sum = tl.full([BLOCK], 0.0, tl.float32)
+    total = tl.full([BLOCK], 0.0, tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        z = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(running_max, z)
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no inf - inf on empty lanes
+        running_sum = running_sum * tl.exp(running_max - shift) + tl.exp(z - shift)
+        running_max = new_max
+        total += tl.where(mask, z, 0.0)
+    row_max = tl.max(running_max, 0)
+    lse = row_max + tl.log(tl.sum(running_sum * tl.exp(running_max - row_max), 0))
+    valid = y != ignore_index
+    safe = tl.where(valid, y, 0)
+    z_y = tl.load(base + safe).to(tl.float32)
+    loss = lse - (1.0 - smoothing) * z_y - smoothing * tl.sum(total, 0) / n_cols
+    tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
+    g = tl.where(valid, tl.load(scale_ptr).to(tl.float32), 0.0)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+        d = tl.exp(z - lse) - smoothing / n_cols - tl.where(cols == safe, 1.0 - smoothing, 0.0)
+        tl.store(base + cols, (d * g).to(z_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,91 @@
+"""Cross-entropy of a block of logit rows, with its gradient written over the logits.
+
+One Triton program per row reads the row twice: once for the log-sum-exp (an online
+max and sum of exponentials, in fp32) and the sum of the logits (for label
+smoothing), once to overwrite the row with ``d loss / d logits``. The rows' losses
+go to a separate fp32 vector. With ``V`` classes, smoothing ``e``, target ``y`` and
+``lse`` the log-sum-exp of the row ``z``:
+
+    loss = lse - (1 - e) * z[y] - e * mean(z)
+    grad = (softmax(z) - (1 - e) * onehot(y) - e / V) * scale
+
+and both are zero on a row whose target is ``ignore_index``. ``scale`` is a
+one-element fp32 tensor (``1 / count`` for a mean), read on the device, so nothing
+waits for the host. On CPU tensors the kernel runs in Triton's interpreter (tests,
+with ``TRITON_INTERPRET=1`` set before Triton is imported);
+:func:`cross_entropy_rows_reference` is the same computation in ATen ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["cross_entropy_rows_", "cross_entropy_rows_reference", "triton_available"]
+
+_BLOCK = 4096
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def cross_entropy_rows_(z: Tensor, target: Tensor, scale: Tensor, ignore_index: int, smoothing: float) -> Tensor:
+    """Row losses of ``z`` ([rows, V], contiguous rows) against ``target`` ([rows]);
+    ``z`` is overwritten with the gradient (times ``scale``). Runs the Triton kernel
+    (for CPU tensors, in Triton's interpreter: the process must start with
+    ``TRITON_INTERPRET=1``).
+
+    Example:
+        >>> losses = cross_entropy_rows_(logits, y, torch.ones(1), -100, 0.0)  # logits now hold grads
+    """
+    rows, classes = z.shape
+    assert z.stride(1) == 1, "rows must be contiguous"
+    losses = torch.empty(rows, dtype=torch.float32, device=z.device)
+    if rows == 0:
+        return losses
+    kernel = _kernel(z.device.type != "cuda")
+    block = min(_BLOCK, 1 << max(classes - 1, 1).bit_length())
+    kernel[(rows,)](
+        z, z.stride(0), target, losses, scale, classes, ignore_index, float(smoothing), BLOCK=block, num_warps=8
+    )
+    return losses
+
+
+def cross_entropy_rows_reference(
+    z: Tensor, target: Tensor, scale: Tensor, ignore_index: int, smoothing: float
+) -> Tensor:
+    """:func:`cross_entropy_rows_` in ATen ops (the CPU path, and the tests' reference)."""
+    classes = z.shape[1]
+    zf = z.float()
+    lse = zf.logsumexp(1)
+    valid = target != ignore_index
+    safe = torch.where(valid, target, torch.zeros_like(target))
+    picked = zf.gather(1, safe[:, None])[:, 0]
+    losses = torch.where(valid, lse - (1 - smoothing) * picked - smoothing * zf.mean(1), 0.0)
+    grad = (zf - lse[:, None]).exp_().sub_(smoothing / classes)
+    grad.scatter_add_(1, safe[:, None], torch.full_like(picked[:, None], -(1 - smoothing)))
+    grad.mul_(torch.where(valid, scale.float(), 0.0)[:, None])
+    z.copy_(grad)
+    return losses
+
+
+@functools.cache
+def _kernel(interpret: bool) -> Any:
+    """The Triton kernel (Triton is imported only now)."""
+    if interpret and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "cross_entropy_rows_ runs on CPU tensors only in Triton's interpreter: start the "
+            "process with TRITON_INTERPRET=1 (or use cross_entropy_rows_reference)."
+        )
+    from ._cross_entropy_triton import cross_entropy_rows
+
+    return cross_entropy_rows

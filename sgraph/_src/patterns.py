@@ -1,0 +1,149 @@
+"""Patterns of ordinary user code that ``sg.fuse`` runs on its own kernels, matched
+while the step is traced.
+
+``F.cross_entropy(x @ W.T, y)`` (or ``F.cross_entropy(head(x).float().view(-1, V),
+y.view(-1))``, with ``head`` an ``nn.Linear`` without bias) is matched here, at the
+level of the Python calls, where the loss's options (``ignore_index``,
+``label_smoothing``, ``reduction``) are plain arguments: the logits' producer is
+remembered for every tensor made by a bias-free linear map, and followed through
+reshapes and an upcast to fp32. The cross-entropy call on such logits then runs
+:func:`linear_cross_entropy` instead, whose forward and backward never hold the
+full logits. The logits' own matmul, now unused, is dropped from the graph with the
+rest of the dead code; if the step uses the logits elsewhere too, they are still
+computed for that use, and the result is the same.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .kernels.linear_cross_entropy import linear_cross_entropy
+
+__all__ = ["LinearCrossEntropyMode", "MIN_CLASSES"]
+
+MIN_CLASSES = 1024
+"""Fewer classes than this: the logits are small, the ordinary code is as good."""
+
+_CE_SIGNATURE = inspect.signature(F.cross_entropy)
+_TRANSPOSES = {torch.Tensor.t, torch.t, torch.Tensor.T.__get__, torch.Tensor.mT.__get__}  # type: ignore[attr-defined]
+_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
+_RESHAPES = {
+    torch.Tensor.view,
+    torch.Tensor.reshape,
+    torch.reshape,
+    torch.Tensor.flatten,
+    torch.flatten,
+    torch.Tensor.contiguous,
+    torch.Tensor.float,
+    torch.Tensor.to,
+}
+
+
+@dataclass(frozen=True)
+class _Logits:
+    """Where a tensor of logits came from: ``x @ weight.T``, computed in ``dtype``
+    (the autocast dtype, if autocast was on for that matmul)."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    dtype: torch.dtype
+
+
+class LinearCrossEntropyMode(TorchFunctionMode):
+    """Active while a step is traced under ``sg.fuse``; see the module docstring."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Keyed by id, with the tensor kept alive so the id stays its own (tensors
+        # compare by value, so they cannot be dict keys); they are fake tensors and
+        # live only while the step is traced.
+        self._logits: dict[int, tuple[torch.Tensor, _Logits]] = {}
+        self._transposed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.matched = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.cross_entropy:
+            fused = self._cross_entropy(args, kwargs)
+            if fused is not None:
+                return fused
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            self._note(func, args, kwargs, out)
+        return out
+
+    def _note(self, func: Any, args: Any, kwargs: dict[str, Any], out: torch.Tensor) -> None:
+        first = args[0] if args else None
+        if not isinstance(first, torch.Tensor):
+            return
+        if func is F.linear:
+            weight, bias = args[1] if len(args) > 1 else kwargs.get("weight"), _arg(args, kwargs, 2, "bias")
+            if bias is None and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+                self._logits[id(out)] = (out, _Logits(first, weight, out.dtype))
+        elif func in _TRANSPOSES and first.dim() == 2:
+            self._transposed[id(out)] = (out, first)
+        elif func in _MATMULS and len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].dim() == 2:
+            right = args[1]
+            weight = self._transposed[id(right)][1] if id(right) in self._transposed else right.t()
+            self._logits[id(out)] = (out, _Logits(first, weight, out.dtype))
+        elif func in _RESHAPES and id(first) in self._logits and _same_rows(first, out):
+            self._logits[id(out)] = (out, self._logits[id(first)][1])
+
+    def _cross_entropy(self, args: Any, kwargs: dict[str, Any]) -> torch.Tensor | None:
+        try:
+            bound = _CE_SIGNATURE.bind(*args, **kwargs)
+        except TypeError:
+            return None
+        bound.apply_defaults()
+        a = bound.arguments
+        logits, target = a["input"], a["target"]
+        found = self._logits.get(id(logits))
+        origin = found[1] if found is not None else None
+        if origin is None or not _supported(a, logits, target, origin):
+            return None
+        self.matched += 1
+        x = origin.x.reshape(-1, origin.x.shape[-1])
+        return linear_cross_entropy(
+            x.to(origin.dtype),
+            origin.weight.to(origin.dtype),
+            target,
+            ignore_index=a["ignore_index"],
+            label_smoothing=a["label_smoothing"],
+            reduction=a["reduction"],
+        )
+
+
+def _arg(args: Any, kwargs: dict[str, Any], index: int, name: str) -> Any:
+    return args[index] if len(args) > index else kwargs.get(name)
+
+
+def _same_rows(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """A reshape or cast that keeps the classes as the last dimension."""
+    return after.numel() == before.numel() and after.dim() >= 1 and after.shape[-1] == before.shape[-1]
+
+
+def _supported(a: dict[str, Any], logits: torch.Tensor, target: Any, origin: _Logits) -> bool:
+    classes = logits.shape[-1] if logits.dim() else 0
+    return (
+        logits.dim() == 2
+        and classes >= MIN_CLASSES
+        and origin.weight.shape[0] == classes
+        and origin.x.shape[-1] == origin.weight.shape[1]
+        and origin.x.numel() // max(origin.x.shape[-1], 1) == logits.shape[0]
+        and logits.dtype in (torch.float32, origin.dtype)
+        and isinstance(target, torch.Tensor)
+        and target.dim() == 1
+        and target.dtype in (torch.int64, torch.int32)
+        and a["weight"] is None
+        and a["size_average"] is None
+        and a["reduce"] is None
+        and a["reduction"] in ("mean", "sum")
+        and isinstance(a["ignore_index"], int)
+        and isinstance(a["label_smoothing"], (int, float))
+    )

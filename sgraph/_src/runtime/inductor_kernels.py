@@ -1,0 +1,136 @@
+"""Which generated kernel runs which node of a Program, read from Inductor's output.
+
+Inductor records, per compiled graph, where each node of the graph it was given
+went (``preToPost``: our node -> its post-grad nodes) and which kernel call runs
+each post-grad node (``...CodeToPost``: ``"kernel_name:call_index"`` -> nodes).
+Composing the two maps every ATen node of the step to the kernel calls that
+compute it. The record lives on Inductor's compiled-graph object (also when it
+came from the on-disk cache); a torch that does not keep it gives an empty map,
+and the kernel count then comes from the generated ``call`` function's text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Kernel", "KernelMap", "kernel_map"]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel call of the generated step: its name, its position among the
+    calls, and the Program nodes it computes (in part or whole)."""
+
+    name: str
+    index: int
+    nodes: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        return f"#{self.index} {self.name}"
+
+
+@dataclass(frozen=True)
+class KernelMap:
+    """The kernel calls of one compiled step (``count`` of them per call; ``None``
+    when unknown) and, per Program node name, the calls that compute it."""
+
+    kernels: tuple[Kernel, ...] = ()
+    count: int | None = None
+    of_node: dict[str, tuple[Kernel, ...]] = field(default_factory=dict)
+
+
+def kernel_map(compiled: Any) -> KernelMap:
+    """The kernel map of what ``compile_fx`` returned (empty if it cannot be read)."""
+    graph = _output_code(compiled)
+    if graph is None:
+        return KernelMap()
+    mapping = _provenance(graph)
+    if mapping is None:
+        return KernelMap(count=_count_calls(getattr(graph, "source_code", None) or ""))
+    pre_to_post, code_to_post = mapping
+    post_to_pre: dict[str, list[str]] = {}
+    for pre, posts in pre_to_post.items():
+        for post in posts:
+            post_to_pre.setdefault(post, []).append(pre)
+    kernels: list[Kernel] = []
+    for key, posts in code_to_post.items():
+        name, _, index = key.rpartition(":")
+        nodes = dict.fromkeys(pre for post in posts for pre in post_to_pre.get(post, ()))
+        kernels.append(Kernel(name, int(index) if index.isdigit() else len(kernels), tuple(nodes)))
+    kernels.sort(key=lambda k: k.index)
+    of_node: dict[str, list[Kernel]] = {}
+    for kernel in kernels:
+        for node in kernel.nodes:
+            of_node.setdefault(node, []).append(kernel)
+    return KernelMap(tuple(kernels), len(kernels), {k: tuple(v) for k, v in of_node.items()})
+
+
+def _provenance(graph: Any) -> tuple[dict[str, list[str]], dict[str, list[str]]] | None:
+    text = getattr(graph, "inductor_provenance_mapping_str", None)
+    if not text:
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    code = {}
+    for key, value in data.items():
+        if key.endswith("CodeToPost") and isinstance(value, dict):
+            code.update(value)
+    pre = data.get("preToPost")
+    if not isinstance(pre, dict) or not code:
+        return None
+    return pre, code
+
+
+_CALL = re.compile(r"^\s+(?:\w+\.run\(|extern_kernels\.\w+\(|cpp_fused_\w+\(|torch\.ops\.\w+\.\w+)", re.M)
+
+
+def _count_calls(source: str) -> int | None:
+    """Kernel calls in the generated ``call`` function, or None without its text."""
+    start = source.find("\ndef call(")
+    if start < 0:
+        return None
+    end = source.find("\ndef ", start + 1)
+    return len(_CALL.findall(source[start : end if end > 0 else len(source)]))
+
+
+def _output_code(compiled: Any, depth: int = 0, seen: set[int] | None = None) -> Any:
+    """Inductor's compiled-graph object inside the callable ``compile_fx`` returned
+    (its runtime wrappers hold it in closures and attributes)."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    seen = set() if seen is None else seen
+    if id(compiled) in seen or depth > 10:
+        return None
+    seen.add(id(compiled))
+    if isinstance(compiled, CompiledFxGraph):
+        return compiled
+    for inner in _references(compiled):
+        found = _output_code(inner, depth + 1, seen)
+        if found is not None:
+            return found
+    return None
+
+
+def _references(obj: Any) -> list[Any]:
+    found: list[Any] = []
+    closure = getattr(obj, "__closure__", None)
+    if closure:
+        for cell in closure:
+            try:
+                found.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+    for name in ("func", "__wrapped__"):
+        if hasattr(obj, name):
+            found.append(getattr(obj, name))
+    if isinstance(obj, (list, tuple)):
+        found += list(obj)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        found += [v for v in vars(obj).values() if not isinstance(v, (str, int, float, bool, type(None)))]
+    return found

@@ -1,0 +1,208 @@
+"""sg.fuse on CPU: the whole step as generated C++ (TorchInductor), against eager.
+
+Compiling costs tens of seconds on a small CPU, so each compiled step is made once
+per module (fixtures) and the tests read it from several sides.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from models_for_tests import mlp
+
+import sgraph as sg
+
+pytestmark = pytest.mark.slow  # compiles with Inductor
+OPT = sg.optim.adamw(1e-2, weight_decay=0.01)
+
+
+def make_step(apply, buffers):
+    def loss_fn(params, batch):
+        x, y = batch
+        return F.cross_entropy(apply(params, buffers, x), y)
+
+    def step(params, opt_state, batch):
+        loss, grads = sg.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = OPT.update(grads, opt_state, params)
+        return sg.optim.apply_updates(params, updates), opt_state, {"loss": loss}
+
+    return step
+
+
+def batches(n=4, batch=16, width=16, classes=4):
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(batch, width, generator=g), torch.randint(0, classes, (batch,), generator=g)) for _ in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def run():
+    """Four steps of a tiny MLP under sg.static(sg.fuse), donated, next to the same step run eagerly."""
+    torch.manual_seed(0)
+    apply, params, buffers = sg.functional(mlp(16, 2, 4))
+    step = make_step(apply, buffers)
+    fused = sg.static(sg.fuse(step), donate=("params", "opt_state"))
+    config_before = _inductor_settings()
+    state = [{k: v.clone() for k, v in params.items()}, None]
+    state[1] = OPT.init(state[0])
+    ref = [{k: v.clone() for k, v in params.items()}, None]
+    ref[1] = OPT.init(ref[0])
+    ids, losses, ref_losses = [], [], []
+    for batch in batches():
+        ids.append([id(v) for v in state[0].values()])
+        state[0], state[1], metrics = fused(state[0], state[1], batch)
+        ref[0], ref[1], ref_metrics = step(ref[0], ref[1], batch)
+        losses.append(metrics["loss"])
+        ref_losses.append(ref_metrics["loss"])
+    return {
+        "fused": fused,
+        "state": state,
+        "ref": ref,
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "ids": ids,
+        "config_before": config_before,
+        "config_after": _inductor_settings(),
+    }
+
+
+def _inductor_settings():
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config
+
+    return (
+        config.size_asserts,
+        config.max_autotune,
+        config.trace.provenance_tracking_level,
+        config.triton.cudagraphs,
+        functorch_config.enable_autograd_cache,
+    )
+
+
+def test_fused_step_matches_eager_over_several_steps(run):
+    torch.testing.assert_close(torch.stack(run["losses"]), torch.stack(run["ref_losses"]), rtol=1e-5, atol=0)
+    for k, v in run["state"][0].items():
+        torch.testing.assert_close(v, run["ref"][0][k], rtol=1e-5, atol=1e-6, msg=k)
+    for k, v in run["state"][1].mu.items():
+        torch.testing.assert_close(v, run["ref"][1].mu[k], rtol=1e-5, atol=1e-7, msg=k)
+    assert int(run["state"][1].count) == int(run["ref"][1].count) == 4
+
+
+def test_donated_params_are_written_in_place_by_the_generated_code(run):
+    assert all(ids == run["ids"][0] for ids in run["ids"])
+    assert [id(v) for v in run["state"][0].values()] == run["ids"][0]
+
+
+def test_stats_count_kernels_before_and_after_fusion(run):
+    stats = run["fused"].last_compiled.stats
+    assert stats.runtime == "inductor" and stats.calls == 4 and stats.traces == 1
+    assert stats.kernels_unfused is not None and stats.kernels_fused is not None
+    assert 0 < stats.kernels_fused < stats.kernels_unfused, stats
+    assert stats.compile_seconds is not None and stats.compile_seconds > 0
+
+
+def test_as_text_names_the_kernel_of_each_op(run):
+    text = run["fused"].last_compiled.as_text()
+    assert re.search(r"aten\.gelu\(.*-> #\d+ cpp_fused\w*gelu", text), text
+    assert re.search(r"aten\.addmm\(.*-> #\d+ extern_kernels\.addmm", text), text
+    assert re.search(r"kernels \(\d+ calls per step\):", text)
+    assert re.search(r"#\d+ torch\.ops\.sgraph\.adamw_\.default: .*%adamw__default", text), text
+
+
+def test_inductor_settings_are_patched_only_while_compiling(run):
+    assert run["config_before"] == run["config_after"]
+
+
+def test_user_compile_afterwards_is_unaffected(run):
+    from torch._inductor import config
+
+    assert config.size_asserts is True and config.trace.provenance_tracking_level == 0
+
+
+def test_fuse_alone_runs_without_donation_and_retraces_on_mode_switch():
+    """sg.fuse without sg.static: no donation (inputs untouched), a training-flag
+    switch of a closed-over module traces again, and dropout masks change per call."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 2))
+    apply, params, buffers = sg.functional(model)
+
+    @sg.fuse
+    def forward(params, x):
+        out = apply(params, buffers, x)
+        return out.sum(), out
+
+    x = torch.randn(4, 8)
+    x_before, w_before = x.clone(), params["0.weight"].clone()
+    train_a, train_b = forward(params, x)[1], forward(params, x)[1]
+    model.eval()
+    with pytest.warns(sg.RetraceWarning, match=r"training"):
+        evaluated = forward(params, x)[1]
+    assert torch.equal(x, x_before) and torch.equal(params["0.weight"], w_before)
+    assert not torch.equal(train_a, train_b)  # a fresh dropout mask per call
+    torch.testing.assert_close(evaluated, model(x))
+    assert forward.trace_count == 2 and forward.last_compiled.stats.runtime == "inductor"
+    assert forward.api.startswith("sg.fuse(") and forward.api.endswith(".forward)")
+
+
+def test_options_are_checked_when_decorating():
+    def f(x):
+        return x
+
+    with pytest.raises(
+        sg.ArgumentError, match=r"kernels names 'linear_crossentropy'.*Did you mean 'linear_cross_entropy'"
+    ):
+        sg.fuse(kernels=("linear_crossentropy",))(f)
+    with pytest.raises(sg.ArgumentTypeError, match=r"autotune must be True or False; found 'yes'"):
+        sg.fuse(autotune="yes")(f)
+    with pytest.raises(sg.ArgumentTypeError, match=r"unknown option autotun=True.*Did you mean autotune="):
+        sg.fuse(autotun=True)
+    with pytest.raises(sg.ArgumentError, match=r"sg.fuse is applied twice"):
+        sg.fuse(sg.static(sg.fuse(f)))
+    stacked = sg.static(sg.fuse(kernels=())(f), donate=0)
+    assert stacked.options.fuse == sg.fuse(kernels=())(f).options.fuse
+    assert stacked.options.fuse.kernels == () and stacked.options.static.donate == (0,)
+    assert sg.fuse(f).options.fuse.kernels == ("linear_cross_entropy",)
+    assert "fuse(" in repr(sg.fuse(autotune=True)(f)) and "autotune=True" in repr(sg.fuse(autotune=True)(f))
+
+
+def test_gpt_step_with_the_fused_cross_entropy_through_inductor():
+    """The own linear + cross-entropy kernel inside generated code: a tiny GPT (vocab
+    1024, so the head matches the pattern), three donated momentum-SGD steps against
+    eager (SGD: Adam would amplify rounding noise in near-zero gradients)."""
+    from models_for_tests import GPT, GPTConfig, gpt_loss
+
+    torch.manual_seed(0)
+    apply, params, buffers = sg.functional(GPT(GPTConfig(vocab=1024, d=32, layers=1, heads=2, seq=16)))
+
+    def loss_fn(params, batch):
+        x, y = batch
+        return gpt_loss(apply(params, buffers, x), y)
+
+    opt = sg.optim.sgd(0.1, momentum=0.9)
+
+    def step(params, opt_state, batch):
+        loss, grads = sg.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return sg.optim.apply_updates(params, updates), opt_state, loss
+
+    fused = sg.static(sg.fuse(step), donate=("params", "opt_state"))
+    mine = [{k: v.clone() for k, v in params.items()}, None]
+    mine[1] = opt.init(mine[0])
+    ref = [{k: v.clone() for k, v in params.items()}, None]
+    ref[1] = opt.init(ref[0])
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        batch = (torch.randint(0, 1024, (2, 16), generator=g), torch.randint(0, 1024, (2, 16), generator=g))
+        mine[0], mine[1], loss = fused(mine[0], mine[1], batch)
+        ref[0], ref[1], ref_loss = step(ref[0], ref[1], batch)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    for k in mine[0]:
+        torch.testing.assert_close(mine[0][k], ref[0][k], rtol=1e-5, atol=1e-6, msg=k)
+    text = fused.last_compiled.as_text()
+    own_kernel = r"sgraph\.linear_cross_entropy\.default\(.*-> .*#\d+ torch\.ops\.sgraph\.linear_cross_entropy"
+    assert re.search(own_kernel, text)

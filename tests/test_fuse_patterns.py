@@ -1,0 +1,129 @@
+"""sg.fuse's pattern matching: ordinary ``F.cross_entropy(x @ W.T, y)`` code runs on the
+chunked linear + cross-entropy kernel. The lowered programs run here on eager
+kernels (no Inductor compile), against the same step run eagerly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import sgraph as sg
+from sgraph._src.runtime.eager import EagerExecutable
+
+V, D = 1024, 16
+
+
+def params_and_batch(seed=0, rows=12):
+    g = torch.Generator().manual_seed(seed)
+    params = {"w1": 0.3 * torch.randn(D, D, generator=g), "head": 0.3 * torch.randn(V, D, generator=g)}
+    y = torch.randint(0, V, (rows,), generator=g)
+    y[::5] = -100
+    return params, (torch.randn(rows, D, generator=g), y)
+
+
+def sgd_step(loss_fn):
+    def step(params, batch):
+        loss, grads = sg.value_and_grad(loss_fn)(params, batch)
+        return {k: p - 0.5 * grads[k] for k, p in params.items()}, loss
+
+    return step
+
+
+def run_lowered(step, params, batch, **fuse):
+    lowered = sg.fuse(step, **fuse).lower(params, batch)
+    compiled = sg.Compiled(lowered, EagerExecutable(lowered.program))
+    return lowered, compiled(params, batch)
+
+
+def targets(lowered):
+    return {str(n.target) for n in lowered.program.ops()}
+
+
+LOSSES = {
+    "matmul_transpose": lambda p, x, y: F.cross_entropy(torch.tanh(x @ p["w1"]) @ p["head"].T, y),
+    "linear_upcast_view": lambda p, x, y: F.cross_entropy(
+        F.linear(torch.tanh(x @ p["w1"]), p["head"]).float().view(-1, V), y.view(-1)
+    ),
+    "smoothing_sum": lambda p, x, y: F.cross_entropy(
+        torch.tanh(x @ p["w1"]) @ p["head"].t(),
+        torch.where(y < 0, 3, y),
+        label_smoothing=0.1,
+        reduction="sum",
+        ignore_index=3,
+    ),
+    "rows_3d": lambda p, x, y: F.cross_entropy((torch.tanh(x @ p["w1"]).view(3, 4, D) @ p["head"].T).reshape(-1, V), y),
+}
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_ordinary_cross_entropy_code_runs_on_the_fused_kernel(name):
+    params, batch = params_and_batch()
+    loss = LOSSES[name]
+    step = sgd_step(lambda p, b: loss(p, *b))
+    lowered, (new, value) = run_lowered(step, params, batch)
+    ops = targets(lowered)
+    assert "sgraph.linear_cross_entropy.default" in ops
+    assert not ops & {"aten._log_softmax.default", "aten.nll_loss_forward.default"}
+    assert not any(
+        n.target is torch.ops.aten.mm.default and n.meta["val"].shape[-1] == V for n in lowered.program.ops()
+    )
+    expected_new, expected = step(params, batch)
+    torch.testing.assert_close(value, expected, rtol=1e-6, atol=0)
+    for k in new:
+        torch.testing.assert_close(new[k], expected_new[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        lambda p, x, y: F.cross_entropy(x @ p["w1"] @ p["head"].T, y, reduction="none").sum(),
+        lambda p, x, y: F.cross_entropy(x @ p["w1"] @ p["head"].T, y, weight=torch.ones(V)),
+        lambda p, x, y: F.cross_entropy(x @ p["w1"] @ p["head"][:512].T, y.clamp(max=511)),  # too few classes
+        lambda p, x, y: F.cross_entropy(torch.relu(x @ p["w1"] @ p["head"].T), y),  # not a linear map
+    ],
+    ids=["reduction_none", "class_weights", "few_classes", "nonlinear_logits"],
+)
+def test_other_cross_entropy_calls_keep_the_ordinary_ops(loss):
+    params, batch = params_and_batch()
+    step = sgd_step(lambda p, b: loss(p, *b))
+    lowered, (new, value) = run_lowered(step, params, batch)
+    assert "sgraph.linear_cross_entropy.default" not in targets(lowered)
+    torch.testing.assert_close(value, step(params, batch)[1], rtol=1e-6, atol=0)
+
+
+def test_logits_used_elsewhere_are_still_computed_and_results_agree():
+    params, batch = params_and_batch()
+
+    def loss(p, b):
+        x, y = b
+        logits = x @ p["head"].T
+        return F.cross_entropy(logits, y) + 1e-3 * logits.square().mean()
+
+    step = sgd_step(loss)
+    lowered, (new, value) = run_lowered(step, params, batch)
+    assert "sgraph.linear_cross_entropy.default" in targets(lowered)
+    expected_new, expected = step(params, batch)
+    torch.testing.assert_close(value, expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(new["head"], expected_new["head"], rtol=1e-5, atol=1e-6)
+
+
+def test_kernels_option_turns_the_pattern_off():
+    params, batch = params_and_batch()
+    step = sgd_step(lambda p, b: LOSSES["matmul_transpose"](p, *b))
+    lowered, _ = run_lowered(step, params, batch, kernels=())
+    assert "sgraph.linear_cross_entropy.default" not in targets(lowered)
+    assert "aten._log_softmax.default" in targets(lowered)
+    assert "sgraph.linear_cross_entropy.default" not in targets(sg.static(step).lower(params, batch))
+
+
+def test_module_head_under_sg_functional():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, V, bias=False))
+    apply, params, buffers = sg.functional(model)
+    x, y = torch.randn(6, D), torch.randint(0, V, (6,))
+    step = sgd_step(lambda p, b: F.cross_entropy(apply(p, buffers, b[0]), b[1]))
+    lowered, (new, value) = run_lowered(step, params, (x, y))
+    assert "sgraph.linear_cross_entropy.default" in targets(lowered)
+    torch.testing.assert_close(value, F.cross_entropy(model(x), y), rtol=1e-6, atol=0)

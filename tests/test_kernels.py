@@ -1,0 +1,94 @@
+"""sgraph's own kernels against the ATen reference.
+
+The Triton kernel runs in Triton's interpreter on CPU tensors (conftest sets
+TRITON_INTERPRET=1 on machines without CUDA, before Triton is imported) and compiled
+on a GPU. fp32 is compared tightly; bf16 within 1e-2 of the largest element (one
+bf16 rounding of the logits' gradient, and grad_W summed over chunks in fp32 from
+bf16 partial products, which loses relative precision where the chunks cancel).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sgraph._src.kernels import linear_cross_entropy as lce
+from sgraph._src.kernels.cross_entropy_rows import cross_entropy_rows_, cross_entropy_rows_reference
+
+DEVICES = [
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"),
+    ),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+
+
+def close(actual, expected, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+    else:
+        scale = expected.float().abs().max().item()
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=0, atol=1e-2 * scale)
+
+
+def rows_case(device, dtype, classes, smoothing):
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(classes)
+    z = (3 * torch.randn(6, classes, generator=g)).to(device=device, dtype=dtype)
+    target = torch.tensor([0, classes - 1, -100, 5, 17, -100], device=device)
+    scale = torch.tensor([0.25], device=device)
+    return z, target, scale, smoothing
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("classes,smoothing", [(1000, 0.0), (5000, 0.1), (4096, 0.0)])
+def test_cross_entropy_rows_kernel_matches_aten(device, dtype, classes, smoothing):
+    z, target, scale, eps = rows_case(device, dtype, classes, smoothing)
+    logits = z.float().clone().requires_grad_()
+    expected = F.cross_entropy(logits, target, reduction="none", label_smoothing=eps)
+    (expected.sum() * scale[0]).backward()
+    out = z.clone()
+    losses = cross_entropy_rows_(out, target, scale, -100, eps)
+    torch.testing.assert_close(losses, expected.detach(), rtol=1e-5, atol=1e-5)
+    close(out, logits.grad.to(dtype), dtype)
+    ref = z.clone()
+    torch.testing.assert_close(cross_entropy_rows_reference(ref, target, scale, -100, eps), expected.detach())
+    close(ref, out, dtype)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction,smoothing", [("mean", 0.0), ("sum", 0.0), ("mean", 0.1)])
+def test_linear_cross_entropy_matches_aten_in_several_chunks(monkeypatch, device, dtype, reduction, smoothing):
+    monkeypatch.setattr(lce, "_CHUNK_ELEMENTS", 128 * 1000)  # 300 rows in 3 chunks of 128
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 32, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    w = (0.2 * torch.randn(1000, 32, generator=g)).to(device=device, dtype=dtype).requires_grad_()
+    y = torch.randint(0, 1000, (300,), generator=g).to(device)
+    y[::7] = -100
+    expected = F.cross_entropy((x @ w.T).float(), y, reduction=reduction, label_smoothing=smoothing)
+    grads = torch.autograd.grad(expected * 3, (x, w))
+    loss = lce.linear_cross_entropy(x, w, y, reduction=reduction, label_smoothing=smoothing)
+    mine = torch.autograd.grad(loss * 3, (x, w))
+    assert loss.dtype == torch.float32 and mine[0].dtype == dtype and mine[1].dtype == dtype
+    torch.testing.assert_close(loss, expected, rtol=1e-5 if dtype == torch.float32 else 1e-3, atol=0)
+    for a, b in zip(mine, grads):
+        close(a, b, dtype)
+
+
+def test_linear_cross_entropy_all_ignored_and_checks():
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(1024, 8, requires_grad=True)
+    y = torch.full((4,), -100)
+    loss = lce.linear_cross_entropy(x, w, y)
+    expected = F.cross_entropy(x @ w.T, y)
+    assert torch.isnan(loss) and torch.isnan(expected)  # a mean over no rows, as in PyTorch
+    gx, gw = torch.autograd.grad(lce.linear_cross_entropy(x, w, y, reduction="sum"), (x, w))
+    assert not gx.any() and not gw.any()
+    with pytest.raises(ValueError, match=r"reduction='none'; use 'mean' or 'sum'"):
+        lce.linear_cross_entropy(x, w, y, reduction="none")
+    assert lce.chunk_rows(16384, 32768) == 2048 and lce.chunk_rows(10, 50000) == 10
