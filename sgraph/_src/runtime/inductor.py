@@ -102,6 +102,8 @@ def inductor_config(options: FuseOptions) -> Iterator[None]:
         "autotune_local_cache": True,
         "max_autotune": options.autotune,
         "coordinate_descent_tuning": options.autotune,
+        "combo_kernels": True,  # independent small kernels (per-parameter casts, sums) share launches
+        "emulate_precision_casts": True,  # round low-precision intermediates where eager would
         "trace.provenance_tracking_level": 1,  # which node went into which kernel
     }
     known = {k: v for k, v in patches.items() if _has_option(config, k)}
