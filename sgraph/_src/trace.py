@@ -8,7 +8,9 @@ input is touched):
    :mod:`capture` guards the step and stamps each node with its user source line.
 2. That graph replayed node by node under ``torch.func.functionalize``: in-place
    ops become functional ones, and writes into inputs become trailing ``copy_``
-   nodes, allowed only into donated inputs.
+   nodes, allowed only into donated inputs. A graph with no in-place op (the usual
+   step: functional optimizers, autograd's own backward) is functional already and
+   skips this pass.
 """
 
 from __future__ import annotations
@@ -204,6 +206,8 @@ class _Replay(torch.fx.Interpreter):
 
 
 def _functionalize(gm: torch.fx.GraphModule, tensors: list[torch.Tensor], api: str) -> torch.fx.GraphModule:
+    if not any(written_args(node) for node in gm.graph.nodes):
+        return gm  # already functional (the usual step): tracing it again would change nothing
     replay = _Replay(gm)
 
     def run(*args: torch.Tensor) -> Any:
