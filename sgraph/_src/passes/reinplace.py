@@ -76,7 +76,8 @@ def _rewrite(graph: torch.fx.Graph, op: Node, target_of: dict[Node, Node], order
     results = _results(op, len(selves))
     if results is None:
         return []
-    if not all(_safe(s, r, op, selves, target_of, order) for s, r in zip(selves, results)):
+    args = _ArgRoots(op, selves)
+    if not all(_safe(s, r, op, args, target_of, order) for s, r in zip(selves, results)):
         return []
     with graph.inserting_before(op):
         new = graph.call_function(inplace, op.args, op.kwargs)
@@ -118,7 +119,7 @@ def _safe(
     self_node: object,
     result: Node | None,
     op: Node,
-    selves: list[Node],
+    args: _ArgRoots,
     target_of: dict[Node, Node],
     order: dict[Node, int],
 ) -> bool:
@@ -132,7 +133,7 @@ def _safe(
             return False
     elif len(self_node.users) != 1 or memory_root(self_node) is not self_node:
         return False  # read again later, or a view: its base may be an input or read elsewhere
-    if _other_args_alias(op, self_node, selves):
+    if args.other_reads(self_node):
         return False
     return all(order[r] <= order[op] for r in _readers(self_node))
 
@@ -149,14 +150,25 @@ def _readers(node: Node) -> set[Node]:
     return found
 
 
-def _other_args_alias(op: Node, self_node: Node, selves: list[Node]) -> bool:
-    """Whether another argument reads ``self_node``'s memory (through a view, or twice)."""
-    root = alias_root(self_node)
-    written = set(selves)
-    others = [a for a in torch.utils._pytree.tree_leaves((op.args, op.kwargs)) if isinstance(a, Node)]
-    if sum(a is self_node for a in others) > 1:
-        return True
-    return any(a not in written and alias_root(a) is root for a in others)
+class _ArgRoots:
+    """An op's tensor arguments and the memory each views, computed once per op (a fused
+    optimizer update takes hundreds of lists' worth of arguments)."""
+
+    def __init__(self, op: Node, selves: list[Node]) -> None:
+        others = [a for a in torch.utils._pytree.tree_leaves((op.args, op.kwargs)) if isinstance(a, Node)]
+        written = set(selves)
+        self.count: dict[Node, int] = {}
+        for a in others:
+            self.count[a] = self.count.get(a, 0) + 1
+        self.roots: dict[Node, int] = {}  # memory root -> arguments other than the written ones viewing it
+        for a in others:
+            if a not in written:
+                root = alias_root(a)
+                self.roots[root] = self.roots.get(root, 0) + 1
+
+    def other_reads(self, self_node: Node) -> bool:
+        """Whether another argument reads ``self_node``'s memory (through a view, or twice)."""
+        return self.count.get(self_node, 0) > 1 or self.roots.get(alias_root(self_node), 0) > 0
 
 
 def _same_layout(a: Node, b: Node) -> bool:
