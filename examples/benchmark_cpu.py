@@ -5,8 +5,10 @@
 Workload: 4 x [Linear(256, 256) + GELU] + Linear(256, 10), cross-entropy, batch 64,
 fp32. Eager is the usual loop with ``torch.optim.AdamW(foreach=True)``; sgraph runs
 the same step as ``sg.static`` (lowered ATen graph, op by op) and as
-``sg.static(sg.fuse(step))`` (one generated C++ program). Median of 200 steps after
-20 warm-up steps, in this process, with the losses of all three compared.
+``sg.static(sg.fuse(step))`` (one generated C++ program). After 20 warm-up steps,
+the variants take turns for 5 rounds of 40 steps (so a slow spell of the machine
+hits all of them); the median over the 200 timed steps is reported, and the losses
+of all three are compared.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from models import mlp
 
 import sgraph as sg
 
-WIDTH, DEPTH, CLASSES, BATCH, STEPS, LR = 256, 4, 10, 64, 200, 1e-3
+WIDTH, DEPTH, CLASSES, BATCH, STEPS, ROUND, LR = 256, 4, 10, 64, 200, 40, 1e-3
 
 
 def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -70,19 +72,22 @@ def sgraph_step(data, fuse: bool):
     return run
 
 
-def measure(run, data) -> tuple[float, float, list[float]]:
-    start = time.perf_counter()
-    losses = [run(data[0]).item()]
-    first = time.perf_counter() - start
-    for batch in data[1:20]:
-        losses.append(run(batch).item())
-    times = []
-    for batch in data[20:]:
+def measure(rows: dict, data) -> dict[str, tuple[float, float, list[float]]]:
+    """Per variant: median ms per step, first-call seconds, and the losses of every step."""
+    firsts, losses, times = {}, {name: [] for name in rows}, {name: [] for name in rows}
+    for name, run in rows.items():
         start = time.perf_counter()
-        loss = run(batch)
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-    return statistics.median(times) * 1e3, first, losses
+        losses[name].append(run(data[0]).item())
+        firsts[name] = time.perf_counter() - start
+        losses[name] += [run(batch).item() for batch in data[1:20]]
+    for round_start in range(20, len(data), ROUND):
+        for name, run in rows.items():
+            for batch in data[round_start : round_start + ROUND]:
+                start = time.perf_counter()
+                loss = run(batch)
+                times[name].append(time.perf_counter() - start)
+                losses[name].append(loss.item())
+    return {name: (statistics.median(times[name]) * 1e3, firsts[name], losses[name]) for name in rows}
 
 
 def main() -> None:
@@ -92,7 +97,7 @@ def main() -> None:
         "sg.static (ATen ops, no graph on CPU)": sgraph_step(data, fuse=False),
         "sg.static(sg.fuse(step)) (generated C++)": sgraph_step(data, fuse=True),
     }
-    results = {name: measure(run, data) for name, run in rows.items()}
+    results = measure(rows, data)
     base_ms, _, base_losses = next(iter(results.values()))
     print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}")
     print(f"MLP {DEPTH}x{WIDTH}, batch {BATCH}, AdamW, median of {STEPS} steps\n")
