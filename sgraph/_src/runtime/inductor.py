@@ -44,7 +44,7 @@ class InductorExecutable:
         gm, self._kept = _graph_for_inductor(program)
         self._aliases = program.aliases
         self._count = len(returned(program.graph))
-        examples = [node.meta["val"] for node in placeholders(program.graph)]
+        examples = _independent_examples(program)
         with progress(f"{program.name}: generating kernels"), inductor_config(options):
             from torch._inductor.compile_fx import compile_fx
 
@@ -62,6 +62,22 @@ class InductorExecutable:
         for out, into in self._aliases:
             outputs[out] = inputs[into]
         return outputs
+
+
+def _independent_examples(program: Program) -> list[torch.Tensor]:
+    """Fake example inputs that share no memory.
+
+    Inputs that alias each other in the traced call (one tensor passed twice, say)
+    must not reach Inductor as such: it would compile for that aliasing (merging
+    the two inputs), and the same code runs later calls whose inputs differ. At run
+    time no donated input shares memory with another (the aliasing check copies the
+    other one), and inputs that are only read may alias freely.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    vals = [node.meta["val"] for node in placeholders(program.graph)]
+    with FakeTensorMode():
+        return [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in vals]
 
 
 def _graph_for_inductor(program: Program) -> tuple[torch.fx.GraphModule, list[int]]:
