@@ -206,3 +206,22 @@ def test_gpt_step_with_the_fused_cross_entropy_through_inductor():
     text = fused.last_compiled.as_text()
     own_kernel = r"sgraph\.linear_cross_entropy\.default\(.*-> .*#\d+ torch\.ops\.sgraph\.linear_cross_entropy"
     assert re.search(own_kernel, text)
+
+
+def test_an_inductor_failure_is_a_capture_error_or_falls_back(monkeypatch):
+    import torch._inductor.compile_fx as inductor
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no lowering for this op")
+
+    monkeypatch.setattr(inductor, "compile_fx", fail)
+
+    def step(x):
+        return (x * 2).sum()
+
+    x = torch.randn(3)
+    with pytest.raises(sg.CaptureError, match=r"failed in TorchInductor: RuntimeError: no lowering for this op\. "):
+        sg.fuse(step)(x)
+    fallback = sg.static(sg.fuse(step), fallback="eager")
+    with pytest.warns(sg.FallbackWarning, match="no lowering for this op"):
+        assert torch.equal(fallback(x), step(x))

@@ -354,7 +354,9 @@ def run_case(seed: int, verbose: bool = True, fuse: bool = False) -> str:
     try:
         outcome = CaseRun(case, fuse).run()
     except Mismatch as e:
-        again = reproduce(seed).replace(f"run_case({seed})", f"run_case({seed}, fuse=True)") if fuse else reproduce(seed)
+        again = (
+            reproduce(seed).replace(f"run_case({seed})", f"run_case({seed}, fuse=True)") if fuse else reproduce(seed)
+        )
         raise AssertionError(f"seed {seed}: {e}\n{case.describe()}\nreproduce: {again}") from None
     if verbose:
         print(f"seed {seed}: {outcome}")

@@ -14,6 +14,7 @@ its on-disk caches stay on, so a second process compiling the same step starts f
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from ..errors import CaptureError
 from ..options import FuseOptions
 from ..program import Program, output_node, placeholders, returned
 from .inductor_kernels import KernelMap, kernel_map
@@ -44,11 +46,7 @@ class InductorExecutable:
         gm, self._kept = _graph_for_inductor(program)
         self._aliases = program.aliases
         self._count = len(returned(program.graph))
-        examples = _independent_examples(program)
-        with progress(f"{program.name}: generating kernels"), inductor_config(options):
-            from torch._inductor.compile_fx import compile_fx
-
-            self._compiled: Any = compile_fx(gm, examples)
+        self._compiled: Any = _compile(program.name, gm, _independent_examples(program), options)
         self.compile_seconds = time.perf_counter() - start
         self.kernels: KernelMap = kernel_map(self._compiled)
         self.kernel_launches: int | None = None
@@ -62,6 +60,27 @@ class InductorExecutable:
         for out, into in self._aliases:
             outputs[out] = inputs[into]
         return outputs
+
+
+_COMPILE_LOCK = threading.Lock()  # the config patch is process-wide: one compile at a time
+
+
+def _compile(name: str, gm: torch.fx.GraphModule, examples: list[torch.Tensor], options: FuseOptions) -> Any:
+    """``compile_fx`` under sgraph's settings; a failure becomes a :class:`CaptureError`
+    (which ``fallback="eager"`` turns into an eager run)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    with _COMPILE_LOCK, progress(f"{name}: generating kernels"), inductor_config(options):
+        try:
+            return compile_fx(gm, examples)
+        except Exception as error:
+            text = str(error)
+            text = text if len(text) <= 600 else text[:600] + " ..."
+            raise CaptureError(
+                f"{name}: generating kernels for the step failed in TorchInductor: {type(error).__name__}: "
+                f"{text}. sg.static alone runs the same program on ATen kernels; pass fallback='eager' to "
+                "run the step uncaptured instead of raising."
+            ) from error
 
 
 def _independent_examples(program: Program) -> list[torch.Tensor]:
