@@ -48,6 +48,7 @@ def run():
     step = make_step(apply, buffers)
     fused = sg.static(sg.fuse(step), donate=("params", "opt_state"))
     config_before = _inductor_settings()
+    caches_before = _cache_counts()
     state = [{k: v.clone() for k, v in params.items()}, None]
     state[1] = OPT.init(state[0])
     ref = [{k: v.clone() for k, v in params.items()}, None]
@@ -68,7 +69,17 @@ def run():
         "ids": ids,
         "config_before": config_before,
         "config_after": _inductor_settings(),
+        "caches": {k: v - caches_before[k] for k, v in _cache_counts().items()},
     }
+
+
+def _cache_counts():
+    from torch._dynamo.utils import counters
+
+    names = ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")
+    found = {name: counters["inductor"][name] for name in names}
+    found.update({name: counters["aot_autograd"][name] for name in ("autograd_cache_bypass",)})
+    return found
 
 
 def _inductor_settings():
@@ -112,6 +123,14 @@ def test_as_text_names_the_kernel_of_each_op(run):
     assert re.search(r"aten\.addmm\(.*-> #\d+ extern_kernels\.addmm", text), text
     assert re.search(r"kernels \(\d+ calls per step\):", text)
     assert re.search(r"#\d+ torch\.ops\.sgraph\.adamw_\.default: .*%adamw__default", text), text
+
+
+def test_the_compile_goes_through_inductors_persistent_caches(run):
+    """A bypassed cache (e.g. example inputs without a shape environment) would make
+    every new process compile from scratch."""
+    caches = run["caches"]
+    assert caches["fxgraph_cache_bypass"] == 0 and caches["autograd_cache_bypass"] == 0, caches
+    assert caches["fxgraph_cache_hit"] + caches["fxgraph_cache_miss"] == 1, caches
 
 
 def test_inductor_settings_are_patched_only_while_compiling(run):

@@ -93,9 +93,10 @@ def _independent_examples(program: Program) -> list[torch.Tensor]:
     other one), and inputs that are only read may alias freely.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     vals = [node.meta["val"] for node in placeholders(program.graph)]
-    with FakeTensorMode():
+    with FakeTensorMode(shape_env=ShapeEnv()):  # Inductor's caches bypass modes without one
         return [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in vals]
 
 
