@@ -144,7 +144,7 @@ def test_fused_cross_entropy_inside_the_cuda_graph_matches_eager(bf16):
     fused = sg.static(sg.fuse(plain), donate=("params", "opt_state"))
     state = opt.init(params)
     eager_params, eager_state = copy.deepcopy(params), copy.deepcopy(state)
-    for i in range(20):
+    for _ in range(20):
         batch = (torch.randint(0, 2048, (4, 32), device="cuda"), torch.randint(0, 2048, (4, 32), device="cuda"))
         params, state, metrics = fused(params, state, batch)
         eager_params, eager_state, eager_metrics = plain(eager_params, eager_state, batch)
