@@ -53,6 +53,7 @@ LOSSES = {
         reduction="sum",
         ignore_index=3,
     ),
+    "plain_right_operand": lambda p, x, y: F.cross_entropy(torch.matmul(x, p["head"].T.contiguous()), y),
     "rows_3d": lambda p, x, y: F.cross_entropy((torch.tanh(x @ p["w1"]).view(3, 4, D) @ p["head"].T).reshape(-1, V), y),
 }
 

@@ -47,12 +47,28 @@ _RESHAPES = {
 
 @dataclass(frozen=True)
 class _Logits:
-    """Where a tensor of logits came from: ``x @ weight.T``, computed in ``dtype``
-    (the autocast dtype, if autocast was on for that matmul)."""
+    """Where a tensor of logits came from: ``x @ W.T``, computed in ``dtype`` (the
+    autocast dtype, if autocast was on for that matmul). ``weight`` is ``W`` when the
+    step named it (``F.linear(x, W)``, ``x @ W.T``); otherwise the matmul's ``right``
+    operand is kept and ``W = right.t()`` is taken only once the pattern matches."""
 
     x: torch.Tensor
-    weight: torch.Tensor
+    right: torch.Tensor | None
+    weight: torch.Tensor | None
     dtype: torch.dtype
+
+    def weight_rows(self) -> torch.Tensor:
+        """``W``, ``[classes, features]``."""
+        if self.weight is not None:
+            return self.weight
+        assert self.right is not None
+        return self.right.t()
+
+    def features_classes(self) -> tuple[int, int]:
+        if self.weight is not None:
+            return self.weight.shape[1], self.weight.shape[0]
+        assert self.right is not None
+        return self.right.shape[0], self.right.shape[1]
 
 
 class LinearCrossEntropyMode(TorchFunctionMode):
@@ -85,13 +101,13 @@ class LinearCrossEntropyMode(TorchFunctionMode):
         if func is F.linear:
             weight, bias = args[1] if len(args) > 1 else kwargs.get("weight"), _arg(args, kwargs, 2, "bias")
             if bias is None and isinstance(weight, torch.Tensor) and weight.dim() == 2:
-                self._logits[id(out)] = (out, _Logits(first, weight, out.dtype))
+                self._logits[id(out)] = (out, _Logits(first, None, weight, out.dtype))
         elif func in _TRANSPOSES and first.dim() == 2:
             self._transposed[id(out)] = (out, first)
         elif func in _MATMULS and len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].dim() == 2:
             right = args[1]
-            weight = self._transposed[id(right)][1] if id(right) in self._transposed else right.t()
-            self._logits[id(out)] = (out, _Logits(first, weight, out.dtype))
+            weight = self._transposed[id(right)][1] if id(right) in self._transposed else None
+            self._logits[id(out)] = (out, _Logits(first, right, weight, out.dtype))
         elif func in _RESHAPES and id(first) in self._logits and _same_rows(first, out):
             self._logits[id(out)] = (out, self._logits[id(first)][1])
 
@@ -111,7 +127,7 @@ class LinearCrossEntropyMode(TorchFunctionMode):
         x = origin.x.reshape(-1, origin.x.shape[-1])
         return linear_cross_entropy(
             x.to(origin.dtype),
-            origin.weight.to(origin.dtype),
+            origin.weight_rows().to(origin.dtype),
             target,
             ignore_index=a["ignore_index"],
             label_smoothing=a["label_smoothing"],
@@ -133,8 +149,7 @@ def _supported(a: dict[str, Any], logits: torch.Tensor, target: Any, origin: _Lo
     return (
         logits.dim() == 2
         and classes >= MIN_CLASSES
-        and origin.weight.shape[0] == classes
-        and origin.x.shape[-1] == origin.weight.shape[1]
+        and origin.features_classes() == (origin.x.shape[-1], classes)
         and origin.x.numel() // max(origin.x.shape[-1], 1) == logits.shape[0]
         and logits.dtype in (torch.float32, origin.dtype)
         and isinstance(target, torch.Tensor)
