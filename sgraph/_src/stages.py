@@ -153,13 +153,18 @@ class Lowered(_Stage):
         """An executable for this Program: its ATen ops run eagerly, or under ``sg.fuse``
         generated kernels; under ``sg.static`` on a GPU, either replays as one CUDA graph."""
         options = self.traced.options
+        on_cuda = any(leaf.device is not None and leaf.device.type == "cuda" for leaf in self.program.tensor_inputs)
+        graph = on_cuda and options.static is not None
+        if graph:
+            from .runtime.cudagraph import check_devices
+
+            check_devices(self.program)  # before a long compile, not after
         body: Any = None
         if options.fuse is not None:
             from .runtime.inductor import InductorExecutable
 
             body = InductorExecutable(self.program, options.fuse)
-        on_cuda = any(leaf.device is not None and leaf.device.type == "cuda" for leaf in self.program.tensor_inputs)
-        if on_cuda and options.static is not None:
+        if graph:
             from .runtime.cudagraph import CudaGraphExecutable
 
             return Compiled(self, CudaGraphExecutable(self.program, options.effective_static, body))

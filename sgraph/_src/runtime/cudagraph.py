@@ -37,7 +37,7 @@ from ..program import Program, placeholders, returned
 from .eager import write_back
 from .graph_nodes import count_kernels, new_graph
 
-__all__ = ["CudaGraphExecutable"]
+__all__ = ["CudaGraphExecutable", "check_devices"]
 
 
 class CudaGraphExecutable:
@@ -52,7 +52,7 @@ class CudaGraphExecutable:
     """
 
     def __init__(self, program: Program, options: StaticOptions, body: Any = None) -> None:
-        _check_devices(program)
+        check_devices(program)
         self.program = program
         self.body = body
         self.runtime = "cudagraph" if body is None else "inductor+cudagraph"
@@ -262,7 +262,8 @@ class _NamingInterpreter(torch.fx.Interpreter):
         )
 
 
-def _check_devices(program: Program) -> None:
+def check_devices(program: Program) -> None:
+    """Raise :class:`CaptureError` naming the first input that is not a CUDA tensor."""
     for leaf in program.tensor_inputs:
         if leaf.device is not None and leaf.device.type != "cuda":
             raise CaptureError(
