@@ -24,7 +24,7 @@ import torch.fx
 
 from ..errors import CaptureError
 from ..options import FuseOptions
-from ..program import Program, output_node, placeholders, returned
+from ..program import Program, memory_root, output_node, placeholders, returned
 from .inductor_kernels import KernelMap, kernel_map
 from .progress import progress
 
@@ -45,6 +45,9 @@ class InductorExecutable:
         start = time.perf_counter()
         gm, self._kept = _graph_for_inductor(program)
         self._aliases = program.aliases
+        self._donated = sorted(program.donated)
+        values = returned(program.graph)
+        self._roots = [memory_root(values[o]) if isinstance(values[o], torch.fx.Node) else None for o in self._kept]
         self._count = len(returned(program.graph))
         self._compiled: Any = _compile(program.name, gm, _independent_examples(program), options)
         self.compile_seconds = time.perf_counter() - start
@@ -53,7 +56,7 @@ class InductorExecutable:
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         with torch.no_grad():
-            values = self._compiled(*inputs)
+            values = _unshared(list(self._compiled(*inputs)), [inputs[i] for i in self._donated], self._roots)
         outputs: list[Any] = [None] * self._count
         for i, value in zip(self._kept, values):
             outputs[i] = value
@@ -62,6 +65,28 @@ class InductorExecutable:
         return outputs
 
 
+def _unshared(values: list[torch.Tensor], donated: list[torch.Tensor], roots: list[Any]) -> list[torch.Tensor]:
+    """The outputs, with a copy of any that shares memory where the program's does not:
+    with a donated input, or with an earlier output made in other memory (``roots``:
+    each output's memory root in the program).
+
+    Inductor may drop a ``clone`` as a no-op and hand back the buffer it copies: the
+    new value of a donated input, or another output. The next call's writes into a
+    donated input, or the user's own in-place writes, would then reach both.
+    """
+    owner: dict[int, Any] = {t.untyped_storage().data_ptr(): _DONATED for t in donated if t.numel()}
+    for i, value in enumerate(values):
+        if not isinstance(value, torch.Tensor) or not value.numel():
+            continue
+        ptr = value.untyped_storage().data_ptr()
+        if ptr not in owner:
+            owner[ptr] = roots[i]
+        elif owner[ptr] is not roots[i] or roots[i] is None:
+            values[i] = value.clone()
+    return values
+
+
+_DONATED = object()
 _COMPILE_LOCK = threading.Lock()  # the config patch is process-wide: one compile at a time
 
 
