@@ -21,6 +21,7 @@ from .argtree import ArgFlattener
 from .errors import ArgumentTypeError
 from .guards import global_state
 from .options import Options
+from .passes.memory.analysis import MemoryAnalysis, memory_analysis
 from .passes.pipeline import lower as run_passes
 from .program import Program, compute_ops
 from .runtime.eager import EagerExecutable
@@ -148,6 +149,16 @@ class Lowered(_Stage):
         self.program = program
         self.traced = traced
         self.seconds = seconds
+
+    def memory_analysis(self) -> MemoryAnalysis:
+        """The predicted memory of one run of this step: peak bytes, the op at the peak
+        with its source line, bytes by kind, the largest live buffers (fake tensors
+        only: nothing runs). See :mod:`sgraph._src.passes.memory.analysis`.
+
+        Example:
+            >>> print(train_step.lower(params, opt_state, batch).memory_analysis())
+        """
+        return memory_analysis(self.program)
 
     def compile(self) -> Compiled:
         """An executable for this Program: its ATen ops run eagerly, or under ``sg.fuse``

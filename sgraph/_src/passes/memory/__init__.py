@@ -1,0 +1,2 @@
+"""Memory: analysis of a lowered step (liveness on fake tensors); scheduling and
+rematerialization passes land here."""

@@ -1,0 +1,216 @@
+"""How much memory one run of a lowered step needs, read off its graph before running.
+
+Every tensor the graph makes is a buffer, allocated where the op producing it runs
+and freed after the last op that reads it or any view of it; inputs (parameters,
+optimizer state, the batch) are the user's and live throughout; values the step
+returns live to its end. A view or an in-place op allocates nothing; each tensor of
+a multi-output op (a foreach op, layer norm's mean and rstd) is its own buffer. The
+sizes come from the fake tensors the trace recorded, so a step meant for a large GPU
+is analysed on any machine.
+
+Not counted: memory inside an op (library workspaces, the buffers a generated
+kernel keeps to itself), the CUDA-graph runtime's copies of non-donated inputs and
+of returned values, and allocator fragmentation. CUDA buffers are rounded up to the
+caching allocator's 512-byte blocks.
+"""
+
+from __future__ import annotations
+
+import html
+import operator
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from ...capture import SOURCE_KEY
+from ...program import Program, memory_root, placeholders, returned
+from ...text import describe_tensor
+
+__all__ = ["Buffer", "MemoryAnalysis", "memory_analysis"]
+
+_CUDA_BLOCK = 512
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One tensor's memory: what made it, how big, its kind, and its lifetime as
+    positions in the graph (``start`` to ``end``, both included)."""
+
+    name: str
+    nbytes: int
+    kind: str
+    start: int
+    end: int
+    describe: str = ""
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class MemoryAnalysis:
+    """The predicted memory of one run of a step.
+
+    Attributes:
+        peak_bytes: the most bytes live at once.
+        peak_node: the op at which the peak is reached (its name in the listing).
+        peak_source: that op's line in the user's code.
+        by_kind: bytes live at the peak, per kind: ``input:<argument>`` for the
+            step's arguments, ``activation`` (made in the forward, read by the
+            backward), ``gradient`` (made by backward ops), ``output`` (returned),
+            ``temporary`` (anything else).
+        top: the largest buffers live at the peak, largest first.
+        timeline: bytes live at each node of the graph, in order.
+        buffers: every buffer, in allocation order.
+    """
+
+    name: str
+    peak_bytes: int
+    peak_node: str
+    peak_source: str
+    by_kind: dict[str, int]
+    top: tuple[Buffer, ...]
+    timeline: tuple[int, ...] = field(repr=False)
+    buffers: tuple[Buffer, ...] = field(repr=False)
+
+    def as_text(self, top: int = 10) -> str:
+        """A readable summary: the peak, where it is, the split by kind, the top buffers."""
+        lines = [
+            f"{self.name}: predicted peak {_mib(self.peak_bytes)} at %{self.peak_node}"
+            + (f" ({self.peak_source})" if self.peak_source else ""),
+            "  live at the peak, by kind:",
+        ]
+        for kind, nbytes in sorted(self.by_kind.items(), key=lambda kv: -kv[1]):
+            lines.append(f"    {kind:<24} {_mib(nbytes):>12}")
+        lines.append("  largest buffers live at the peak:")
+        for buffer in self.top[:top]:
+            where = f"  # {buffer.source}" if buffer.source else ""
+            size = _mib(buffer.nbytes)
+            lines.append(f"    %{buffer.name:<28} {size:>12}  {buffer.kind:<16} {buffer.describe}{where}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.as_text()
+
+    def _repr_html_(self) -> str:
+        return f"<pre style='font-size:smaller'>{html.escape(self.as_text())}</pre>"
+
+
+def memory_analysis(program: Program) -> MemoryAnalysis:
+    """Predict the memory of one run of ``program`` (see the module docstring).
+
+    Example:
+        >>> print(train_step.lower(params, opt_state, batch).memory_analysis())
+    """
+    graph = program.graph
+    nodes = list(graph.nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+    end = len(nodes) - 1
+    kinds = _input_kinds(program)
+    live_to_end = {memory_root(v) for v in returned(graph) if isinstance(v, torch.fx.Node)}
+    last_read = _last_reads(nodes, position)
+    buffers = []
+    for node in nodes:
+        if node.op == "placeholder":
+            buffers.append(_buffer(node, kinds.get(node, "input"), 0, end))
+            continue
+        start = _allocated_at(node, position)
+        if start is None:
+            continue
+        finish = end if node in live_to_end else max(start, last_read.get(node, start))
+        kind = "output" if node in live_to_end else _kind(node, nodes, finish)
+        buffers.append(_buffer(node, kind, start, finish))
+    return _summary(program.name, nodes, buffers)
+
+
+def _allocated_at(node: torch.fx.Node, position: dict[torch.fx.Node, int]) -> int | None:
+    """Where ``node``'s own memory is allocated, or None when it has none (a view,
+    an in-place op, a multi-output op whose outputs are buffers of their own)."""
+    if node.op != "call_function" or memory_root(node) is not node:
+        return None
+    if not isinstance(node.meta.get("val"), torch.Tensor):
+        return None
+    if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        return position[node.args[0]]  # allocated by the multi-output op itself
+    return position[node]
+
+
+def _last_reads(nodes: list[torch.fx.Node], position: dict[torch.fx.Node, int]) -> dict[torch.fx.Node, int]:
+    """Per buffer (memory root), the position of the last op reading it or a view of it."""
+    last: dict[torch.fx.Node, int] = {}
+    for node in nodes:
+        if not node.users:
+            continue
+        root = memory_root(node)
+        last[root] = max(last.get(root, 0), *(position[user] for user in node.users))
+    return last
+
+
+def _kind(node: torch.fx.Node, nodes: list[torch.fx.Node], finish: int) -> str:
+    source = node.meta.get(SOURCE_KEY)
+    if source is not None and source.backward:
+        return "gradient"
+    reader = nodes[finish]
+    reader_source = reader.meta.get(SOURCE_KEY)
+    if reader_source is not None and reader_source.backward:
+        return "activation"
+    return "temporary"
+
+
+def _input_kinds(program: Program) -> dict[torch.fx.Node, str]:
+    """``input:<argument>`` per placeholder, from the leaf paths (``params['w']`` -> params)."""
+    found = {}
+    for node, leaf in zip(placeholders(program.graph), program.tensor_inputs):
+        argument = re.split(r"[\[.]", leaf.path, maxsplit=1)[0] or "input"
+        found[node] = f"input:{argument}"
+    return found
+
+
+def _buffer(node: torch.fx.Node, kind: str, start: int, end: int) -> Buffer:
+    val = node.meta.get("val")
+    nbytes = _nbytes(val) if isinstance(val, torch.Tensor) else 0
+    source = node.meta.get(SOURCE_KEY)
+    text = describe_tensor(val.dtype, tuple(val.shape)) if isinstance(val, torch.Tensor) else ""
+    return Buffer(node.name, nbytes, kind, start, end, text, source.short() if source is not None else "")
+
+
+def _nbytes(val: torch.Tensor) -> int:
+    try:
+        nbytes = int(val.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        nbytes = val.numel() * val.element_size()
+    if val.device.type == "cuda" and nbytes:
+        nbytes = -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK
+    return nbytes
+
+
+def _summary(name: str, nodes: list[torch.fx.Node], buffers: list[Buffer]) -> MemoryAnalysis:
+    delta = [0] * (len(nodes) + 1)
+    for b in buffers:
+        delta[b.start] += b.nbytes
+        delta[b.end + 1] -= b.nbytes
+    timeline, live = [], 0
+    for step in delta[:-1]:
+        live += step
+        timeline.append(live)
+    peak_at = max(range(len(timeline)), key=timeline.__getitem__) if timeline else 0
+    at_peak = sorted((b for b in buffers if b.start <= peak_at <= b.end), key=lambda b: -b.nbytes)
+    by_kind: dict[str, int] = {}
+    for b in at_peak:
+        by_kind[b.kind] = by_kind.get(b.kind, 0) + b.nbytes
+    node = nodes[peak_at] if nodes else None
+    source = node.meta.get(SOURCE_KEY) if node is not None else None
+    return MemoryAnalysis(
+        name=name,
+        peak_bytes=timeline[peak_at] if timeline else 0,
+        peak_node=node.name if node is not None else "",
+        peak_source=source.short() if source is not None else "",
+        by_kind=by_kind,
+        top=tuple(at_peak[:20]),
+        timeline=tuple(timeline),
+        buffers=tuple(buffers),
+    )
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes} B"
