@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from models_for_tests import mlp
@@ -100,3 +101,21 @@ def test_cuda_buffers_round_up_to_the_allocators_blocks():
         small, large = torch.empty(3, device="cuda"), torch.empty(1000, 1000, device="cuda")
         host = torch.empty(3)
     assert (_nbytes(small), _nbytes(large), _nbytes(host)) == (512, 4000256, 12)
+
+
+def test_the_plot_renders_a_png_with_every_kind_and_the_peak(tmp_path):
+    pytest.importorskip("matplotlib")
+
+    def step(x):
+        a = x * 2
+        b = a + 1
+        return b.sum()
+
+    m = sg.static(step).lower(X).memory_analysis()
+    figure = m.plot(tmp_path / "memory.png")
+    assert (tmp_path / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    axes = figure.axes[0]
+    assert axes.get_legend_handles_labels()[1] == ["input:x", "temporary", "output"]
+    assert "peak 3072 B at %add" in axes.texts[0].get_text() and "%mul 1024 B temporary" in axes.texts[0].get_text()
+    assert m.by_kind_timeline()["temporary"] == [0, 1024, 2048, 1024, 0]
+    assert "data:image/png;base64," in m._repr_html_()

@@ -16,10 +16,14 @@ caching allocator's 512-byte blocks.
 
 from __future__ import annotations
 
+import base64
 import html
+import io
 import operator
+import os
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx
@@ -53,6 +57,7 @@ class MemoryAnalysis:
 
     Attributes:
         peak_bytes: the most bytes live at once.
+        peak_index: the position of the peak in the graph (an index of ``timeline``).
         peak_node: the op at which the peak is reached (its name in the listing).
         peak_source: that op's line in the user's code.
         by_kind: bytes live at the peak, per kind: ``input:<argument>`` for the
@@ -66,6 +71,7 @@ class MemoryAnalysis:
 
     name: str
     peak_bytes: int
+    peak_index: int
     peak_node: str
     peak_source: str
     by_kind: dict[str, int]
@@ -92,8 +98,75 @@ class MemoryAnalysis:
     def __str__(self) -> str:
         return self.as_text()
 
+    def by_kind_timeline(self) -> dict[str, list[int]]:
+        """Bytes live at each node, per kind (the stacked series of :meth:`plot`)."""
+        series: dict[str, list[int]] = {}
+        for b in self.buffers:
+            delta = series.setdefault(b.kind, [0] * (len(self.timeline) + 1))
+            delta[b.start] += b.nbytes
+            delta[b.end + 1] -= b.nbytes
+        for kind, delta in series.items():
+            live, values = 0, []
+            for step in delta[:-1]:
+                live += step
+                values.append(live)
+            series[kind] = values
+        return series
+
+    def plot(self, path: str | os.PathLike[str] | None = None, *, top: int = 3) -> Any:
+        """Live bytes across the step's nodes, stacked by kind, with the peak marked and
+        the largest buffers the step makes there labelled; saved as PNG at ``path``.
+
+        Needs matplotlib (``pip install matplotlib``); pyplot is not used, so no
+        window opens and your backend is left alone.
+
+        Returns:
+            The ``matplotlib.figure.Figure``.
+
+        Example:
+            >>> lowered.memory_analysis().plot("step-memory.png")
+        """
+        try:
+            from matplotlib.figure import Figure
+        except ImportError as error:
+            raise ImportError("MemoryAnalysis.plot needs matplotlib: pip install matplotlib") from error
+        figure = Figure(figsize=(10, 4.5), layout="constrained")
+        axes = figure.add_subplot()
+        series = self.by_kind_timeline()
+        order = sorted(series, key=_kind_order)
+        x = _highest_per_bin(self.timeline, bins=600)  # a one-node spike must stay visible
+        bottom = [0.0] * len(x)
+        for kind in order:  # stacked as steps: a one-node peak is a plateau, not a sliver
+            top_ = [b + series[kind][i] / 2**20 for b, i in zip(bottom, x)]
+            axes.fill_between(x, bottom, top_, step="post", label=kind, alpha=0.85, linewidth=0)
+            bottom = top_
+        axes.axvline(self.peak_index, color="black", linewidth=0.8, linestyle="--")
+        labels = [f"peak {_mib(self.peak_bytes)} at %{self.peak_node}"]
+        made = [b for b in self.top if not b.kind.startswith("input:")]  # inputs are flat bands
+        labels += [f"%{b.name} {_mib(b.nbytes)} {b.kind}" for b in made[:top]]
+        axes.annotate(
+            "\n".join(labels),
+            (self.peak_index, self.peak_bytes / 2**20),
+            fontsize=8,
+            xytext=(8, -8),
+            textcoords="offset points",
+            va="top",
+        )
+        axes.set(xlabel="node of the lowered graph (run order)", ylabel="MiB live", title=self.name)
+        axes.legend(loc="upper left", fontsize=8)
+        if path is not None:
+            figure.savefig(path, dpi=120)
+        return figure
+
     def _repr_html_(self) -> str:
-        return f"<pre style='font-size:smaller'>{html.escape(self.as_text())}</pre>"
+        text = f"<pre style='font-size:smaller'>{html.escape(self.as_text())}</pre>"
+        try:
+            buffer = io.BytesIO()
+            self.plot().savefig(buffer, format="png", dpi=80)
+        except ImportError:
+            return text
+        image = base64.b64encode(buffer.getvalue()).decode()
+        return f"<img src='data:image/png;base64,{image}'/>" + text
 
 
 def memory_analysis(program: Program) -> MemoryAnalysis:
@@ -203,6 +276,7 @@ def _summary(name: str, nodes: list[torch.fx.Node], buffers: list[Buffer]) -> Me
     return MemoryAnalysis(
         name=name,
         peak_bytes=timeline[peak_at] if timeline else 0,
+        peak_index=peak_at,
         peak_node=node.name if node is not None else "",
         peak_source=source.short() if source is not None else "",
         by_kind=by_kind,
@@ -210,6 +284,21 @@ def _summary(name: str, nodes: list[torch.fx.Node], buffers: list[Buffer]) -> Me
         timeline=tuple(timeline),
         buffers=tuple(buffers),
     )
+
+
+def _highest_per_bin(timeline: tuple[int, ...], bins: int) -> list[int]:
+    """Node indices to draw: all of them for a small graph, else the highest node of
+    each of ``bins`` equal runs (and the peak), so no peak is lost between pixels."""
+    if len(timeline) <= bins:
+        return list(range(len(timeline)))
+    width = -(-len(timeline) // bins)
+    runs = (range(i, min(i + width, len(timeline))) for i in range(0, len(timeline), width))
+    return [max(run, key=timeline.__getitem__) for run in runs]
+
+
+def _kind_order(kind: str) -> tuple[int, str]:
+    rank = {"output": 4, "temporary": 3, "gradient": 2, "activation": 1}
+    return (0 if kind.startswith("input:") else rank.get(kind, 5), kind)
 
 
 def _mib(nbytes: int) -> str:
