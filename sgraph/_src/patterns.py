@@ -81,7 +81,6 @@ class LinearCrossEntropyMode(TorchFunctionMode):
         # live only while the step is traced.
         self._logits: dict[int, tuple[torch.Tensor, _Logits]] = {}
         self._transposed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.matched = 0
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -123,7 +122,6 @@ class LinearCrossEntropyMode(TorchFunctionMode):
         origin = found[1] if found is not None else None
         if origin is None or not _supported(a, logits, target, origin):
             return None
-        self.matched += 1
         x = origin.x.reshape(-1, origin.x.shape[-1])
         return linear_cross_entropy(
             x.to(origin.dtype),

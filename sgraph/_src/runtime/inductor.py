@@ -4,7 +4,9 @@ The whole lowered step goes to Inductor's ``compile_fx`` as one graph. Writes in
 donated inputs become ``copy_`` nodes at the end of that graph, so the generated
 kernel that computes a new param or moment stores it straight into the donated
 tensor (no copy afterwards); the aliased outputs are not returned by the compiled
-code at all, and the donated input takes their place here.
+code at all, and the donated input takes their place here. An output that comes back
+sharing memory where the program's outputs do not (Inductor may drop a ``clone`` it
+sees as a no-op) is copied, so nothing returned aliases what the next call writes.
 
 Inductor's settings are patched only while compiling (see :func:`inductor_config`):
 its own CUDA graphs stay off, since the caller (``sg.static``) owns the graph, and
@@ -48,7 +50,7 @@ class InductorExecutable:
         self._donated = sorted(program.donated)
         values = returned(program.graph)
         self._roots = [memory_root(values[o]) if isinstance(values[o], torch.fx.Node) else None for o in self._kept]
-        self._count = len(returned(program.graph))
+        self._count = len(values)
         self._compiled: Any = _compile(program.name, gm, _independent_examples(program), options)
         self.compile_seconds = time.perf_counter() - start
         self.kernels: KernelMap = kernel_map(self._compiled)
