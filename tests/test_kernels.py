@@ -92,3 +92,15 @@ def test_linear_cross_entropy_all_ignored_and_checks():
     with pytest.raises(ValueError, match=r"reduction='none'; use 'mean' or 'sum'"):
         lce.linear_cross_entropy(x, w, y, reduction="none")
     assert lce.chunk_rows(16384, 32768) == 4096 and lce.chunk_rows(10, 50000) == 10
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_target_out_of_range_makes_its_row_nan_not_a_wrong_number(device):
+    z, target, scale, eps = rows_case(device, torch.float32, 1000, 0.0)
+    target[0], target[3] = 1000, -7  # out of range; rows 2 and 5 stay ignored (-100)
+    losses = cross_entropy_rows_(z, target, scale, -100, eps)
+    assert losses[0].isnan() and losses[3].isnan() and z[0].isnan().all() and z[3].isnan().all()
+    assert losses[2] == 0 and not z[2].any()  # ignored
+    assert losses[[1, 4]].isfinite().all() and z[[1, 4]].isfinite().all()
+    with pytest.raises((RuntimeError, IndexError)):
+        cross_entropy_rows_reference(z.clone(), target, scale, -100, eps)

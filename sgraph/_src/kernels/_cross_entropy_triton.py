@@ -29,11 +29,16 @@ def cross_entropy_rows(
     row_max = tl.max(running_max, 0)
     lse = row_max + tl.log(tl.sum(running_sum * tl.exp(running_max - row_max), 0))
     valid = y != ignore_index
-    safe = tl.where(valid, y, 0)
+    # A target outside [0, classes) cannot stop a captured graph; it makes the row's
+    # loss and gradient NaN, where eager PyTorch would raise.
+    bad = valid & ((y < 0) | (y >= n_cols))
+    safe = tl.where(valid & ~bad, y, 0)
     z_y = tl.load(base + safe).to(tl.float32)
     loss = lse - (1.0 - smoothing) * z_y - smoothing * tl.sum(total, 0) / n_cols
+    loss = tl.where(bad, float("nan"), loss)
     tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
     g = tl.where(valid, tl.load(scale_ptr).to(tl.float32), 0.0)
+    g = tl.where(bad, float("nan"), g)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols

@@ -9,7 +9,9 @@ go to a separate fp32 vector. With ``V`` classes, smoothing ``e``, target ``y`` 
     loss = lse - (1 - e) * z[y] - e * mean(z)
     grad = (softmax(z) - (1 - e) * onehot(y) - e / V) * scale
 
-and both are zero on a row whose target is ``ignore_index``. ``scale`` is a
+and both are zero on a row whose target is ``ignore_index``. A row whose target is
+outside ``[0, V)`` gets a NaN loss and gradient (eager PyTorch raises there, which a
+captured graph cannot; the ATen reference raises too). ``scale`` is a
 one-element fp32 tensor (``1 / count`` for a mean), read on the device, so nothing
 waits for the host. On CPU tensors the kernel runs in Triton's interpreter (tests,
 with ``TRITON_INTERPRET=1`` set before Triton is imported);
