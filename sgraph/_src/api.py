@@ -267,14 +267,14 @@ class Transformed:
         fuse = self.options.fuse
         if fuse is not None:
             fuse_shown = [
-                f" {k}={getattr(fuse, k)!r}"
+                f"{k}={getattr(fuse, k)!r}"
                 for k in ("autotune", "kernels")
                 if getattr(fuse, k) != getattr(FuseOptions(), k)
             ]
             if self.options.static is not None:
-                shown.append(f" fuse({''.join(fuse_shown).strip().replace(' ', ', ')})")
+                shown.append(f" fuse({', '.join(fuse_shown)})")
             else:
-                shown += fuse_shown
+                shown += [f" {item}" for item in fuse_shown]
         head = f"<{self.api}{''.join(shown)}: {n} compiled signature{'s' * (n != 1)}, {self.trace_count} traces"
         if self._fallback_reason is not None:
             return head + f"; fell back to eager: {self._fallback_reason[:120]}>"

@@ -98,7 +98,7 @@ class LinearCrossEntropyMode(TorchFunctionMode):
         if not isinstance(first, torch.Tensor):
             return
         if func is F.linear:
-            weight, bias = args[1] if len(args) > 1 else kwargs.get("weight"), _arg(args, kwargs, 2, "bias")
+            weight, bias = _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")
             if bias is None and isinstance(weight, torch.Tensor) and weight.dim() == 2:
                 self._logits[id(out)] = (out, _Logits(first, None, weight, out.dtype))
         elif func in _TRANSPOSES and first.dim() == 2:

@@ -32,6 +32,7 @@ __all__ = ["cross_entropy_rows_", "cross_entropy_rows_reference", "triton_availa
 _BLOCK = 4096
 
 
+@functools.cache
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401

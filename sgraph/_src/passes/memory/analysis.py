@@ -19,9 +19,11 @@ from __future__ import annotations
 import base64
 import html
 import io
+import itertools
 import operator
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,18 +102,8 @@ class MemoryAnalysis:
 
     def by_kind_timeline(self) -> dict[str, list[int]]:
         """Bytes live at each node, per kind (the stacked series of :meth:`plot`)."""
-        series: dict[str, list[int]] = {}
-        for b in self.buffers:
-            delta = series.setdefault(b.kind, [0] * (len(self.timeline) + 1))
-            delta[b.start] += b.nbytes
-            delta[b.end + 1] -= b.nbytes
-        for kind, delta in series.items():
-            live, values = 0, []
-            for step in delta[:-1]:
-                live += step
-                values.append(live)
-            series[kind] = values
-        return series
+        kinds = dict.fromkeys(b.kind for b in self.buffers)
+        return {k: _live([b for b in self.buffers if b.kind == k], len(self.timeline)) for k in kinds}
 
     def plot(self, path: str | os.PathLike[str] | None = None, *, top: int = 3) -> Any:
         """Live bytes across the step's nodes, stacked by kind, with the peak marked and
@@ -257,15 +249,17 @@ def _nbytes(val: torch.Tensor) -> int:
     return nbytes
 
 
-def _summary(name: str, nodes: list[torch.fx.Node], buffers: list[Buffer]) -> MemoryAnalysis:
-    delta = [0] * (len(nodes) + 1)
+def _live(buffers: Sequence[Buffer], length: int) -> list[int]:
+    """Bytes live at each of ``length`` graph positions, over ``buffers``."""
+    delta = [0] * (length + 1)
     for b in buffers:
         delta[b.start] += b.nbytes
         delta[b.end + 1] -= b.nbytes
-    timeline, live = [], 0
-    for step in delta[:-1]:
-        live += step
-        timeline.append(live)
+    return list(itertools.accumulate(delta[:-1]))
+
+
+def _summary(name: str, nodes: list[torch.fx.Node], buffers: list[Buffer]) -> MemoryAnalysis:
+    timeline = _live(buffers, len(nodes))
     peak_at = max(range(len(timeline)), key=timeline.__getitem__) if timeline else 0
     at_peak = sorted((b for b in buffers if b.start <= peak_at <= b.end), key=lambda b: -b.nbytes)
     by_kind: dict[str, int] = {}
