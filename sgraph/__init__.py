@@ -5,7 +5,7 @@ Write one pure train step over pytrees of tensors; ``sg.static`` captures it who
 """
 
 from . import optim, random, tree
-from ._src.api import Transformed, fuse, static
+from ._src.api import Transformed, fuse, plan_memory, static
 from ._src.errors import (
     ArgumentError,
     ArgumentTypeError,
@@ -22,6 +22,8 @@ from ._src.errors import (
 )
 from ._src.functional import functional
 from ._src.grad import grad, value_and_grad
+from ._src.passes.memory.analysis import MemoryAnalysis
+from ._src.passes.memory.plan import MemoryPlan
 from ._src.stages import Compiled, CompiledStats, Lowered, Traced
 
 __all__ = [
@@ -32,6 +34,8 @@ __all__ = [
     "Compiled",
     "CompiledStats",
     "Lowered",
+    "MemoryAnalysis",
+    "MemoryPlan",
     "Traced",
     "Transformed",
     "DonationWarning",
@@ -45,6 +49,7 @@ __all__ = [
     "functional",
     "fuse",
     "grad",
+    "plan_memory",
     "static",
     "value_and_grad",
     "optim",

@@ -23,20 +23,24 @@ from .errors import ArgumentError, ArgumentTypeError, CaptureError, FallbackWarn
 from .options import (
     Fallback,
     FuseOptions,
+    MemoryOptions,
+    MemoryPolicy,
     Options,
     OutputMode,
     Retrace,
     StaticOptions,
+    check_budget,
     check_donate,
     check_kernels,
     check_literal,
+    check_patterns,
     check_unknown,
 )
 from .signature import Signature, signature_of
 from .stages import Compiled, Counters, Traced
 from .trace import ArgLayout, arg_layout, trace
 
-__all__ = ["static", "fuse", "Transformed"]
+__all__ = ["static", "fuse", "plan_memory", "Transformed"]
 
 
 class Transformed:
@@ -68,8 +72,9 @@ class Transformed:
     def api(self) -> str:
         """How messages name this step, e.g. ``sg.static(train_step)`` (the outermost
         transform that decides how it runs: ``sg.static``, else ``sg.fuse``)."""
-        transform = "static" if self.options.static is not None or self.options.fuse is None else "fuse"
-        return f"sg.{transform}({_name(self.fn)})"
+        options = self.options
+        transform = "fuse" if options.fuse is not None else "plan_memory" if options.memory is not None else "static"
+        return f"sg.{'static' if options.static is not None else transform}({_name(self.fn)})"
 
     @property
     def trace_count(self) -> int:
@@ -406,13 +411,94 @@ def fuse(
     return wrap if fn is None else wrap(fn)
 
 
+@overload
+def plan_memory(fn: Callable[..., Any], /) -> Transformed: ...
+@overload
+def plan_memory(
+    *,
+    budget: int | float | str | None = None,
+    policy: MemoryPolicy = "min_time",
+    save: str | Sequence[str] = (),
+    recompute: str | Sequence[str] = (),
+    blocks: str | None = None,
+) -> Callable[[Callable[..., Any]], Transformed]: ...
+
+
+def plan_memory(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    budget: int | float | str | None = None,
+    policy: MemoryPolicy = "min_time",
+    save: str | Sequence[str] = (),
+    recompute: str | Sequence[str] = (),
+    blocks: str | None = None,
+    **unknown: Any,
+) -> Transformed | Callable[[Callable[..., Any]], Transformed]:
+    """Plan the step's memory before it runs: recompute activations in the backward
+    instead of keeping them, so the predicted peak fits ``budget`` at the least cost.
+
+    Recomputed ops are the forward's own ops on the same inputs, so results are bitwise
+    those of the unplanned step. ``Lowered.memory_plan`` says what was decided;
+    ``Lowered.memory_analysis()`` gives the planned peak.
+
+    Args:
+        fn: the pure step.
+        budget: the most memory one step may use: bytes, a size string
+            (``"40GiB"``, ``"512MB"``), or a fraction of the device's memory
+            (``0.8``). ``None``: recompute only what costs no matmul, reduction or
+            memory pass of its own (pointwise ops and views, which a fused backward
+            recomputes inside the kernels that read them).
+        policy: which activations may be recomputed. ``"min_time"``: any, cheapest
+            per byte first, only as many as the budget needs. ``"save_matmuls"``:
+            keep only matmul and attention outputs. ``"save_block_inputs"``: keep
+            nothing made inside a block but what leaves it (blocks: see ``blocks``).
+        save: module path patterns (``"blocks.*.attn"``) whose values are never
+            recomputed.
+        recompute: module path patterns whose values are always recomputed.
+        blocks: the pattern naming a block (``"layers.*"``); by default the first
+            numbered part of a path (``blocks.3`` in ``blocks.3.fc``).
+
+    Returns:
+        A :class:`Transformed` step; stack with ``sg.static`` and ``sg.fuse`` in any order.
+
+    Raises:
+        ArgumentError / ArgumentTypeError: a bad option; when lowering, a budget the
+            policy cannot reach (the message gives the smallest reachable peak).
+
+    Example:
+        >>> @sg.static(donate=("params", "opt_state"))
+        ... @sg.plan_memory(budget="6GiB")
+        ... def train_step(params, opt_state, batch): ...
+    """
+    check_unknown("sg.plan_memory", unknown, ("budget", "policy", "save", "recompute", "blocks"))
+
+    def wrap(f: Callable[..., Any]) -> Transformed:
+        api = f"sg.plan_memory({_name(f)})"
+        check_literal(api, "policy", policy, MemoryPolicy)
+        if blocks is not None and not isinstance(blocks, str):
+            raise ArgumentTypeError(f'{api}: blocks must be a module path pattern ("layers.*"); found {blocks!r}.')
+        record = MemoryOptions(
+            check_budget(api, budget),
+            policy,
+            check_patterns(api, "save", save),
+            check_patterns(api, "recompute", recompute),
+            blocks,
+        )
+        base, options = _unwrap(f, "memory")
+        return Transformed(base, options.with_memory(record))
+
+    return wrap if fn is None else wrap(fn)
+
+
 def _unwrap(f: Callable[..., Any], transform: str) -> tuple[Callable[..., Any], Options]:
+    public = "plan_memory" if transform == "memory" else transform
     if isinstance(f, Transformed):
         if getattr(f.options, transform) is not None:
-            raise ArgumentError(f"{f.api}: sg.{transform} is applied twice; apply it once.")
+            raise ArgumentError(f"{f.api}: sg.{public} is applied twice; apply it once.")
         return f.fn, f.options
     if not callable(f):
-        raise ArgumentTypeError(f"sg.{transform}: expected a function to transform; found {type(f).__name__}.")
+        raise ArgumentTypeError(f"sg.{public}: expected a function to transform; found {type(f).__name__}.")
     return f, Options()
 
 

@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .capture_guards import no_host_sync, quiet_torch_logs, rng_state_unchanged, trace_guards
 from .errors import CaptureError, SgraphError
-from .source import SOURCE_KEY, Source, is_library, user_source, where
+from .source import MODULE_KEY, SOURCE_KEY, Source, is_library, module_path, user_source, where
 from .text import describe_tensor
 
 __all__ = [
@@ -251,11 +251,14 @@ class SourceMode(TorchDispatchMode):
     def _stamp(self, graph: torch.fx.Graph, last: torch.fx.Node | None) -> None:
         node = last.next if last is not None else _first_node(graph)
         source = None
+        module = module_path() if torch._C._current_autograd_node() is None else None
         while node is not None and node.op != "root":
             if SOURCE_KEY not in node.meta:
                 source = source or self._source()
                 if source is not None:
                     node.meta[SOURCE_KEY] = source
+                if module is not None:
+                    node.meta[MODULE_KEY] = module
             node = node.next
 
     def _source(self) -> Source | None:

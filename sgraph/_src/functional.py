@@ -30,7 +30,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from .errors import ArgumentError, ArgumentTypeError, TreeStructureError, UnsupportedError
-from .guards import note_module
+from .guards import is_tracing, note_module
+from .source import module_scopes
 
 __all__ = ["functional", "Apply", "ArgumentError", "ArgumentTypeError", "UnsupportedError"]
 
@@ -135,7 +136,8 @@ class Apply:
         run_buffers = {k: b.clone() if k in cloned else b for k, b in buffers.items()}
         versions = {k: _version(b) for k, b in run_buffers.items()}
         tensors = {**_gathered(params, fsdp=bool(spec.fsdp_states)), **run_buffers}
-        with _fsdp_forward_hooks_removed(spec.fsdp_states):
+        scopes = module_scopes(self._module) if is_tracing() else contextlib.nullcontext()
+        with _fsdp_forward_hooks_removed(spec.fsdp_states), scopes:
             # functional_call writes what the module holds after forward back into
             # ``tensors``: that is how a buffer reassigned in forward shows up.
             out = torch.func.functional_call(self._module, tensors, args, kwargs, tie_weights=True, strict=True)

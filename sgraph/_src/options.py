@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
@@ -18,6 +19,10 @@ __all__ = [
     "Options",
     "StaticOptions",
     "FuseOptions",
+    "MemoryOptions",
+    "MemoryPolicy",
+    "check_budget",
+    "check_patterns",
     "OWN_KERNELS",
     "check_kernels",
     "Retrace",
@@ -31,6 +36,8 @@ __all__ = [
 Retrace = Literal["warn", "error", "allow"]
 Fallback = Literal["none", "eager"]
 OutputMode = Literal["copy", "view"]
+
+MemoryPolicy = Literal["min_time", "save_matmuls", "save_block_inputs"]
 
 OWN_KERNELS = ("linear_cross_entropy",)
 """The own kernels ``sg.fuse`` can substitute for patterns of ATen ops."""
@@ -55,11 +62,24 @@ class FuseOptions:
 
 
 @dataclass(frozen=True)
+class MemoryOptions:
+    """Options of ``sg.plan_memory``; see its docstring. ``budget`` is bytes (int) or a
+    fraction of device memory (float), resolved when the step is lowered."""
+
+    budget: int | float | None = None
+    policy: MemoryPolicy = "min_time"
+    save: tuple[str, ...] = ()
+    recompute: tuple[str, ...] = ()
+    blocks: str | None = None
+
+
+@dataclass(frozen=True)
 class Options:
     """Everything the stacked transforms asked for; one record per transform."""
 
     static: StaticOptions | None = None
     fuse: FuseOptions | None = None
+    memory: MemoryOptions | None = None
     names: tuple[str, ...] = field(default=())
 
     def with_static(self, static: StaticOptions) -> Options:
@@ -67,6 +87,9 @@ class Options:
 
     def with_fuse(self, fuse: FuseOptions) -> Options:
         return replace(self, fuse=fuse, names=self.names + ("fuse",))
+
+    def with_memory(self, memory: MemoryOptions) -> Options:
+        return replace(self, memory=memory, names=self.names + ("plan_memory",))
 
     @property
     def effective_static(self) -> StaticOptions:
@@ -99,6 +122,51 @@ def check_kernels(api: str, kernels: Any) -> tuple[str, ...]:
                 f"{', '.join(OWN_KERNELS)}.{hint}"
             )
     return tuple(dict.fromkeys(items))
+
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*$")
+
+
+def check_budget(api: str, budget: Any) -> int | float | None:
+    """Normalize a memory budget: bytes (int), a size string (``"40GiB"``, ``"512MB"``),
+    or a fraction of device memory (a float in (0, 1]); ``None`` for no budget."""
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
+        raise ArgumentTypeError(
+            f'{api}: budget must be bytes (an int), a size such as "40GiB", or a fraction of device '
+            f"memory such as 0.8; found {budget!r}."
+        )
+    if isinstance(budget, str):
+        match = _SIZE.match(budget)
+        unit = match.group(2).lower() if match else ""
+        if match is None or unit not in _UNITS:
+            raise ArgumentError(
+                f'{api}: budget={budget!r} is not a size; write a number and a unit, e.g. "40GiB", '
+                '"512MiB" or "1.5GB" (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB).'
+            )
+        budget = int(float(match.group(1)) * _UNITS[unit])
+    if isinstance(budget, float) and not 0 < budget <= 1:
+        raise ArgumentError(
+            f"{api}: budget={budget!r}: a float budget is a fraction of device memory, in (0, 1]; give "
+            'bytes as an int or a string such as "40GiB".'
+        )
+    if budget <= 0:
+        raise ArgumentError(f"{api}: budget={budget!r} must be positive.")
+    return budget
+
+
+def check_patterns(api: str, name: str, patterns: Any) -> tuple[str, ...]:
+    """Normalize module-path patterns (a string or a sequence of strings) to a tuple."""
+    items = (patterns,) if isinstance(patterns, str) else patterns
+    if not isinstance(items, (tuple, list)) or not all(isinstance(p, str) and p for p in items):
+        raise ArgumentTypeError(
+            f'{api}: {name} must be a module path pattern or a tuple of them, such as "blocks.*.attn"; '
+            f"found {patterns!r}."
+        )
+    return tuple(items)
 
 
 def check_unknown(api: str, unknown: dict[str, Any], known: Sequence[str]) -> None:

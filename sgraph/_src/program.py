@@ -75,6 +75,7 @@ class Program:
         passes: names of the passes applied so far, in order.
         modules: the modules whose training flags the trace read (through
             ``sg.functional`` apply functions).
+        memory_plan: what ``sg.plan_memory`` decided (a ``MemoryPlan``), if it ran.
     """
 
     name: str
@@ -87,6 +88,7 @@ class Program:
     aliases: tuple[tuple[int, int], ...] = ()
     passes: tuple[str, ...] = field(default=())
     modules: tuple[Any, ...] = field(default=())
+    memory_plan: Any = None
 
     @property
     def graph(self) -> torch.fx.Graph:

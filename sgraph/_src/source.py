@@ -6,15 +6,20 @@ import contextlib
 import linecache
 import os
 import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import FrameType
+from typing import Any
 
 import optree
 import torch
 
-__all__ = ["SOURCE_KEY", "Source", "user_source", "is_library", "where"]
+__all__ = ["MODULE_KEY", "SOURCE_KEY", "Source", "module_path", "module_scopes", "user_source", "is_library", "where"]
 
 SOURCE_KEY = "sgraph_source"
+MODULE_KEY = "sgraph_module"
+"""Node meta key: the path of the submodule whose forward made the node (``blocks.3.fc``)."""
 _SKIP_DIRS = tuple(
     os.path.dirname(m.__file__) + os.sep for m in (torch, optree, sys.modules[__package__]) if m.__file__
 ) + (os.path.dirname(contextlib.__file__) + os.sep + "contextlib.py",)
@@ -67,3 +72,49 @@ def user_source() -> Source | None:
 def where(source: Source | None) -> str:
     """`` at file.py:12 in fn (`code`)`` for messages, or nothing when unknown."""
     return f" at {source.describe()}" if source else ""
+
+
+_scopes = threading.local()
+
+
+def module_path() -> str | None:
+    """The path of the innermost submodule running in this thread under :func:`module_scopes`."""
+    stack = getattr(_scopes, "stack", None)
+    return stack[-1][1] if stack else None
+
+
+@contextlib.contextmanager
+def module_scopes(root: torch.nn.Module) -> Iterator[None]:
+    """Track which of ``root``'s submodules is running, for :func:`module_path`.
+
+    Global forward hooks (removed on exit) push a submodule's path when its forward
+    starts and pop it when it ends; modules outside ``root`` are ignored. The root
+    itself is the empty path.
+
+    Example:
+        >>> with module_scopes(model):
+        ...     model(x)  # module_path() is "blocks.0.fc" inside that Linear's forward
+    """
+    names = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
+    stack: list[tuple[int, str]] = getattr(_scopes, "stack", None) or []
+    _scopes.stack = stack
+    depth = len(stack)
+
+    def enter(module: torch.nn.Module, args: Any) -> None:
+        name = names.get(id(module))
+        if name is not None:
+            stack.append((id(module), name))
+
+    def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if stack and stack[-1][0] == id(module) and len(stack) > depth:
+            stack.pop()
+
+    hooks = torch.nn.modules.module
+    pre = hooks.register_module_forward_pre_hook(enter)
+    post = hooks.register_module_forward_hook(leave, always_call=True)
+    try:
+        yield
+    finally:
+        pre.remove()
+        post.remove()
+        del stack[depth:]

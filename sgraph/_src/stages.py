@@ -11,7 +11,7 @@ import html
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -22,6 +22,7 @@ from .errors import ArgumentTypeError
 from .guards import global_state
 from .options import Options
 from .passes.memory.analysis import MemoryAnalysis, memory_analysis
+from .passes.memory.plan import MemoryPlan
 from .passes.pipeline import lower as run_passes
 from .program import Program, compute_ops
 from .runtime.eager import EagerExecutable
@@ -159,6 +160,15 @@ class Lowered(_Stage):
             >>> print(train_step.lower(params, opt_state, batch).memory_analysis())
         """
         return memory_analysis(self.program)
+
+    @property
+    def memory_plan(self) -> MemoryPlan | None:
+        """What ``sg.plan_memory`` decided for this step (None without it).
+
+        Example:
+            >>> print(train_step.lower(params, opt_state, batch).memory_plan.as_text())
+        """
+        return cast("MemoryPlan | None", self.program.memory_plan)
 
     def compile(self) -> Compiled:
         """An executable for this Program: its ATen ops run eagerly, or under ``sg.fuse``

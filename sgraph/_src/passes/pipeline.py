@@ -2,7 +2,7 @@
 
 Whatever order the user stacks the decorators in, a step is lowered the same way:
 kernel fixes (replay), cleanup and algebraic folds, then (as they land) sharding,
-fusion and memory planning, then donation, which must see the final outputs, then
+memory planning (rematerialization), then donation, which must see the final outputs, then
 reinplacing, which makes the graph write donated outputs straight into their inputs
 and so must come last.
 """
@@ -13,6 +13,7 @@ from ..options import Options
 from ..program import Program
 from .cleanup import cleanup
 from .donation import donation
+from .memory.plan import device_budget, plan_memory
 from .reinplace import reinplace
 from .replay import replay
 from .simplify import simplify
@@ -27,7 +28,18 @@ def lower(program: Program, options: Options) -> Program:
         >>> lower(traced_program, options).passes
         ('replay', 'cleanup', 'simplify', 'donation', 'reinplace')
     """
-    del options  # read by the sharding, fusion and memory passes as they land
     program = simplify(cleanup(replay(program)))
+    if options.memory is not None:
+        program = _planned(program, options)
     program = donation(program)
     return reinplace(program)
+
+
+def _planned(program: Program, options: Options) -> Program:
+    memory = options.memory
+    assert memory is not None
+    budget = memory.budget
+    if isinstance(budget, float):
+        budget = device_budget(budget, program)
+    planned, plan = plan_memory(program, memory, budget)
+    return planned.replace(memory_plan=plan, passes=planned.passes + ("plan_memory",))

@@ -1,0 +1,250 @@
+"""sg.plan_memory: rematerialization chosen by policy and budget, bitwise equal results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models_for_tests import gpt_loss, tiny_gpt, token_batches
+
+import sgraph as sg
+from sgraph._src.passes.memory.remat import RECOMPUTED_KEY, forward_end, groups
+from sgraph._src.source import MODULE_KEY
+
+X = torch.randn(256)  # 1024 bytes
+
+
+def _gpt_step(apply, opt):
+    def loss_fn(params, batch):
+        x, y = batch
+        return gpt_loss(apply(params, {}, x), y)
+
+    def step(params, opt_state, batch):
+        value, grads = sg.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return sg.optim.apply_updates(params, updates), opt_state, {"loss": value}
+
+    return step
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    model = tiny_gpt()
+    apply, params, _ = sg.functional(model)
+    opt = sg.optim.adamw(1e-2, weight_decay=0.01)
+    # A batch large enough that activations, not the optimizer's update, make the peak.
+    return _gpt_step(apply, opt), params, opt.init(params), token_batches(3, 64)
+
+
+def _run(step, params, opt_state, batches):
+    params = {k: v.clone() for k, v in params.items()}
+    opt_state = sg.tree.map(torch.clone, opt_state)
+    results = []
+    for batch in batches:
+        params, opt_state, metrics = step(params, opt_state, batch)
+        results.append((metrics["loss"], {k: v.clone() for k, v in params.items()}))
+    return results
+
+
+def _assert_bitwise(got, want):
+    for (loss_g, p_g), (loss_w, p_w) in zip(got, want):
+        assert torch.equal(loss_g, loss_w)
+        for k in p_w:
+            assert torch.equal(p_g[k], p_w[k]), k
+
+
+# ------------------------------------------------------------------ hand-built graphs
+
+
+def test_a_pointwise_activation_is_recomputed_in_the_backward_and_the_peak_falls():
+    def step(w, x):
+        def loss(w):
+            h = x * w  # kept for gelu's backward...
+            e = F.gelu(h)  # ...so gelu's output, read by the backward of e * e, is made again from it
+            return (e * e).sum()
+
+        return sg.grad(loss)(w)
+
+    w = torch.randn(256)
+    plain = sg.static(step).lower(w, X)
+    planned = sg.static(sg.plan_memory(step)).lower(w, X)
+    plan = planned.memory_plan
+    assert plan is not None and plan.policy == "min_time" and plan.budget is None
+    assert set(plan.recomputed) == {"gelu", "mul"}  # x * w too: its inputs are the step's
+    copies = [n for n in planned.program.graph.nodes if RECOMPUTED_KEY in n.meta]
+    assert sorted(n.meta[RECOMPUTED_KEY] for n in copies) == ["gelu", "mul"]
+    position = {n: i for i, n in enumerate(planned.program.graph.nodes)}
+    assert position[copies[0]] >= forward_end(planned.program.graph)  # made in the backward
+    before, after = plain.memory_analysis(), planned.memory_analysis()
+    assert plan.peak_before == before.peak_bytes and after.peak_bytes <= before.peak_bytes
+
+    def lifetime(analysis, name):
+        return next((b.start, b.end) for b in analysis.buffers if b.name == name)
+
+    end = forward_end(planned.program.graph)
+    assert lifetime(before, "gelu")[1] >= forward_end(plain.program.graph)  # unplanned: into the backward
+    assert lifetime(after, "gelu")[1] < end  # planned: dies in the forward, its copy is made after
+    assert lifetime(after, copies[0].name)[0] >= end
+    assert torch.equal(sg.static(sg.plan_memory(step))(w, X), step(w, X))
+
+
+def test_no_plan_when_nothing_is_worth_recomputing():
+    def step(w, x):
+        return sg.grad(lambda w: (x @ w).sum())(w)  # the backward reads only inputs
+
+    planned = sg.static(sg.plan_memory(step)).lower(torch.randn(4, 3), torch.randn(5, 4))
+    assert planned.memory_plan.recomputed == ()
+    assert not any(RECOMPUTED_KEY in n.meta for n in planned.program.graph.nodes)
+
+
+def test_random_ops_are_never_recomputed():
+    def step(w, x):
+        def loss(w):
+            return torch.exp(F.dropout(x * w, 0.5, training=True)).sum()
+
+        return sg.grad(loss)(w)
+
+    w = torch.randn(256)
+    program = sg.static(step).lower(w, X).program
+    randoms = [n for n in program.graph.nodes if "bernoulli" in str(n.target) or "rand" in str(n.target)]
+    assert randoms  # the mask is drawn in the graph...
+    names = {m.name for g in groups(program) for m in g.members}
+    assert not names & {n.name for n in randoms}  # ...and never offered for recompute
+    planned = sg.static(sg.plan_memory(policy="save_matmuls")(step)).lower(w, X)
+    assert not any(
+        "bernoulli" in str(n.target) or "rand" in str(n.target)
+        for n in planned.program.graph.nodes
+        if RECOMPUTED_KEY in n.meta
+    )
+
+
+# ------------------------------------------------------------------ a tiny GPT
+
+
+def test_module_paths_are_recorded_on_forward_nodes(gpt):
+    step, params, opt_state, batches = gpt
+    program = sg.static(step).lower(params, opt_state, batches[0]).program
+    paths = {n.meta.get(MODULE_KEY) for n in program.graph.nodes}
+    assert {"blocks.0.fc", "blocks.1.qkv", "blocks.0", "head", "ln"} <= paths
+    position = {n: i for i, n in enumerate(program.graph.nodes)}
+    end = forward_end(program.graph)
+    assert all(position[n] < end for n in program.graph.nodes if MODULE_KEY in n.meta)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"policy": "save_matmuls"},
+        {"policy": "save_block_inputs"},
+        {"budget": "4MiB"},
+        {"recompute": "blocks.*"},
+    ],
+    ids=["free", "save_matmuls", "save_block_inputs", "budget", "pinned"],
+)
+def test_planned_steps_give_bitwise_equal_params_over_several_steps(gpt, options):
+    step, params, opt_state, batches = gpt
+    want = _run(sg.static(step, donate=("params", "opt_state")), params, opt_state, batches)
+    planned = sg.static(sg.plan_memory(**options)(step), donate=("params", "opt_state"))
+    got = _run(planned, params, opt_state, batches)
+    _assert_bitwise(got, want)
+    assert planned.last_compiled.lowered.memory_plan.recomputed  # something was recomputed
+
+
+def test_policies_recompute_more_and_lower_the_peak_in_order(gpt):
+    step, params, opt_state, batches = gpt
+    args = (params, opt_state, batches[0])
+    plain = sg.static(step).lower(*args).memory_analysis().peak_bytes
+    peaks, counts = {}, {}
+    for policy in ("min_time", "save_matmuls", "save_block_inputs"):
+        lowered = sg.static(sg.plan_memory(policy=policy)(step)).lower(*args)
+        peaks[policy] = lowered.memory_analysis().peak_bytes
+        counts[policy] = len(lowered.memory_plan.recomputed)
+    assert plain > peaks["min_time"] >= peaks["save_matmuls"] > peaks["save_block_inputs"]
+    assert counts["min_time"] <= counts["save_matmuls"]
+
+
+def test_save_matmuls_keeps_every_matmul_output(gpt):
+    step, params, opt_state, batches = gpt
+    lowered = sg.static(sg.plan_memory(policy="save_matmuls")(step)).lower(params, opt_state, batches[0])
+    copied = [n for n in lowered.program.graph.nodes if RECOMPUTED_KEY in n.meta]
+    assert copied and not any(str(n.target).startswith(("aten.mm", "aten.addmm", "aten.bmm")) for n in copied)
+
+
+def test_a_budget_is_met_in_prediction_at_the_least_recompute(gpt):
+    step, params, opt_state, batches = gpt
+    args = (params, opt_state, batches[0])
+    free = sg.static(sg.plan_memory(step)).lower(*args)
+    low = sg.static(sg.plan_memory(policy="save_block_inputs")(step)).lower(*args)
+    budget = (free.memory_plan.peak_after + low.memory_plan.peak_after) // 2
+    planned = sg.static(sg.plan_memory(budget=budget)(step)).lower(*args)
+    plan = planned.memory_plan
+    assert plan.budget == budget and plan.peak_after <= budget < free.memory_plan.peak_after
+    assert planned.memory_analysis().peak_bytes <= budget
+    looser = sg.static(sg.plan_memory(budget=free.memory_plan.peak_after)(step)).lower(*args).memory_plan
+    assert len(looser.recomputed) <= len(plan.recomputed)
+
+
+def test_an_unreachable_budget_raises_with_the_smallest_peak(gpt):
+    step, params, opt_state, batches = gpt
+    with pytest.raises(sg.ArgumentError, match=r"cannot fit the step in budget=1024 B .* smallest predicted peak"):
+        sg.static(sg.plan_memory(budget=1024)(step)).lower(params, opt_state, batches[0])
+
+
+def test_pins_save_and_recompute_by_module_path(gpt):
+    step, params, opt_state, batches = gpt
+    args = (params, opt_state, batches[0])
+    forced = sg.static(sg.plan_memory(recompute="blocks.0.*")(step)).lower(*args).memory_plan
+    kept = sg.static(sg.plan_memory(policy="save_block_inputs", save="blocks.1")(step)).lower(*args)
+    modules = {n.name: n.meta.get(MODULE_KEY, "") for n in kept.program.graph.nodes}
+    recomputed = {n.meta[RECOMPUTED_KEY] for n in kept.program.graph.nodes if RECOMPUTED_KEY in n.meta}
+    assert any(modules.get(r, "").startswith("blocks.0") for r in recomputed)
+    assert not any(modules.get(r, "").startswith("blocks.1") for r in recomputed)
+    assert any("addmm" in name for name in forced.recomputed)  # a matmul of blocks.0, forced
+
+
+def test_plan_memory_alone_runs_eagerly_and_matches(gpt):
+    step, params, opt_state, batches = gpt
+    planned = sg.plan_memory(policy="save_block_inputs")(step)
+    assert planned.api.startswith("sg.plan_memory(") and planned.last_compiled is None
+    _assert_bitwise(_run(planned, params, opt_state, batches), _run(sg.static(step), params, opt_state, batches))
+
+
+def test_the_plan_is_shown(gpt):
+    step, params, opt_state, batches = gpt
+    plan = sg.static(sg.plan_memory(step)).lower(params, opt_state, batches[0]).memory_plan
+    text = plan.as_text()
+    assert text.startswith("memory plan (min_time, no budget): predicted peak") and "recomputed" in text
+
+
+# ------------------------------------------------------------------ options
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"budget": "40 parsecs"}, sg.ArgumentError, r"budget='40 parsecs' is not a size"),
+        ({"budget": 1.5}, sg.ArgumentError, r"fraction of device memory, in \(0, 1\]"),
+        ({"budget": 0}, sg.ArgumentError, r"budget=0 must be positive"),
+        ({"budget": [1]}, sg.ArgumentTypeError, r"budget must be bytes"),
+        ({"policy": "fastest"}, sg.ArgumentError, r"policy='fastest' is not one of 'min_time'"),
+        ({"save": 3}, sg.ArgumentTypeError, r"save must be a module path pattern"),
+        ({"budgett": 1}, sg.ArgumentTypeError, r"unknown option budgett=1.*Did you mean budget=\?"),
+    ],
+)
+def test_bad_options_raise_naming_the_option(options, error, match):
+    with pytest.raises(error, match=match):
+        sg.plan_memory(**options)(lambda x: x)
+
+
+def test_budget_sizes_and_fractions():
+    assert sg.plan_memory(budget="1.5GiB")(lambda x: x).options.memory.budget == int(1.5 * 2**30)
+    assert sg.plan_memory(budget="2GB")(lambda x: x).options.memory.budget == 2 * 10**9
+    assert sg.plan_memory(budget=0.5)(lambda x: x).options.memory.budget == 0.5
+    with pytest.raises(sg.ArgumentError, match=r"fraction of device memory, but the step's inputs are not on a CUDA"):
+        sg.static(sg.plan_memory(budget=0.5)(lambda x: (x * 2).sum())).lower(X)
+
+
+def test_applied_twice_raises():
+    with pytest.raises(sg.ArgumentError, match=r"sg.plan_memory is applied twice"):
+        sg.plan_memory(sg.plan_memory(lambda x: x))
