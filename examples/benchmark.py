@@ -7,7 +7,10 @@
 Workloads and method follow PERFORMANCE-ANCHORS: forward + loss + backward + AdamW,
 bf16 autocast with fp32 master params, TF32 matmuls allowed; median of 50 steps
 timed with CUDA events after 5 warm-up steps; "first" is the wall time of the first
-call (compile and capture included); peak is torch.cuda.max_memory_allocated.
+call (compile and capture included); peak is torch.cuda.max_memory_allocated less
+what was allocated before the variant was built. For sgraph variants the memory
+table also gives the predicted peak against the peak of the call that warmed up and
+captured the step (after compiling), from ``Compiled.stats``.
 
 The host-overhead table times one call of an already-compiled sg.static step over a
 params + momentum pytree of N small leaves on the host, without synchronizing, and
@@ -111,7 +114,7 @@ def variant_handmade_graph(workload: str, compiled: bool, fused: bool) -> Callab
     return graph.replay
 
 
-def variant_sg_static(workload: str, fuse: bool = False) -> Callable[[], None]:
+def variant_sg_static(workload: str, fuse: bool = False, plan: dict | None = None) -> Callable[[], None]:
     model, batch, loss = build(workload)
     apply, params, buffers = sg.functional(model)
     opt = sg.optim.adamw(LR, weight_decay=WEIGHT_DECAY)
@@ -128,7 +131,9 @@ def variant_sg_static(workload: str, fuse: bool = False) -> Callable[[], None]:
         updates, opt_state = opt.update(grads, opt_state, params)
         return sg.optim.apply_updates(params, updates), opt_state, {"loss": value}
 
-    train_step = sg.static(sg.fuse(step) if fuse else step, donate=("params", "opt_state"))
+    body = sg.fuse(step) if fuse else step
+    body = sg.plan_memory(**plan)(body) if plan is not None else body
+    train_step = sg.static(body, donate=("params", "opt_state"))
 
     def run() -> None:
         state["params"], state["opt"], _ = train_step(state["params"], state["opt"], batch)
@@ -154,6 +159,15 @@ VARIANTS: dict[str, tuple[str, Callable[[str], Callable[[], None]]]] = {
     ),
     "sg-static": ("sg.static (eager kernels, one CUDA graph)", variant_sg_static),
     "sg-fuse": ("sg.static + sg.fuse (generated kernels, one CUDA graph)", lambda w: variant_sg_static(w, fuse=True)),
+    "sg-plan": ("sg.static + sg.plan_memory() (eager kernels)", lambda w: variant_sg_static(w, plan={})),
+    "sg-fuse-plan": (
+        "sg.static + sg.fuse + sg.plan_memory()",
+        lambda w: variant_sg_static(w, fuse=True, plan={}),
+    ),
+    "sg-fuse-6g": (
+        'sg.static + sg.fuse + sg.plan_memory(budget="6GiB")',
+        lambda w: variant_sg_static(w, fuse=True, plan={"budget": "6GiB"}),
+    ),
 }
 SGRAPH = [k for k in VARIANTS if k.startswith("sg-")]
 
@@ -163,6 +177,8 @@ def measure(make: Callable[[str], Callable[[], None]], workload: str, steps: int
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    # What earlier variants left behind (library workspaces of their streams) is not this one's.
+    base = torch.cuda.memory_allocated()
     start = time.perf_counter()
     run = make(workload)
     run()
@@ -179,7 +195,7 @@ def measure(make: Callable[[str], Callable[[], None]], workload: str, steps: int
     times = [b.elapsed_time(e) for b, e in events]
     result = {
         "ms": statistics.median(times),
-        "peak_mib": torch.cuda.max_memory_allocated() / 2**20,
+        "peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20,
         "first_s": first,
     }
     step = getattr(run, "step", None)
@@ -187,9 +203,16 @@ def measure(make: Callable[[str], Callable[[], None]], workload: str, steps: int
         stats = step.last_compiled.stats
         result.update(kernels=stats.kernel_launches, traces=stats.traces, capture_s=stats.capture_seconds)
         result.update(trace_s=stats.trace_seconds, compile_s=stats.compile_seconds, unfused=stats.kernels_unfused)
+        measured = None if stats.memory_measured is None else stats.memory_measured - base
+        result.update(predicted_mib=stats.memory_predicted / 2**20, step_peak_mib=_mib(measured))
+        result.update(step_reserved_mib=_mib(stats.memory_reserved), base_mib=base / 2**20)
     del run
     torch._dynamo.reset()
     return result
+
+
+def _mib(nbytes: int | None) -> float | None:
+    return None if nbytes is None else nbytes / 2**20
 
 
 def host_overhead(leaves: int, device: str, calls: int = 200) -> dict:
@@ -250,6 +273,11 @@ def print_table(results: dict, workloads: list[str]) -> None:
     for key, cells in results.items():
         row = [f"{c['ms']:.3f} ({c['peak_mib']:.0f} MiB, {c['first_s']:.1f} s)" if c else "-" for c in cells.values()]
         print(f"| {VARIANTS[key][0]} | " + " | ".join(row) + " |")
+    print("\n## memory of the sgraph variants: predicted peak vs the captured step's (MiB)\n")
+    print("| variant | " + " | ".join(workloads) + " |")
+    print("|---|" + "---|" * len(workloads))
+    for key in [k for k in SGRAPH if k in results]:
+        print(f"| {VARIANTS[key][0]} | " + " | ".join(_memory_cell(results[key].get(w)) for w in workloads) + " |")
     for sg_key in [k for k in SGRAPH if k in results]:
         print(f"\n## speed-up of {VARIANTS[sg_key][0]} (anchor ms / sgraph ms; > 1 means sgraph is faster)\n")
         print("| anchor | " + " | ".join(workloads) + " |")
@@ -262,6 +290,16 @@ def print_table(results: dict, workloads: list[str]) -> None:
                 for w in workloads
             ]
             print(f"| {VARIANTS[key][0]} | " + " | ".join(row) + " |")
+
+
+def _memory_cell(c: dict | None) -> str:
+    """predicted / measured (reserved), and measured against predicted."""
+    if not c or c.get("predicted_mib") is None:
+        return "-"
+    if c.get("step_peak_mib") is None:
+        return f"{c['predicted_mib']:.0f} / ?"
+    error = c["step_peak_mib"] / c["predicted_mib"] - 1
+    return f"{c['predicted_mib']:.0f} / {c['step_peak_mib']:.0f} ({c['step_reserved_mib']:.0f}) {error:+.0%}"
 
 
 def main() -> None:

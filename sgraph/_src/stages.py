@@ -58,6 +58,13 @@ class CompiledStats:
             step (generated kernels, library matmuls and own kernels alike).
         compile_seconds: under ``sg.fuse``, time spent generating kernels (on-disk
             cache hits included).
+        memory_predicted: the predicted peak bytes of one step
+            (``Lowered.memory_analysis()``).
+        memory_measured / memory_reserved: under ``sg.static`` on a GPU, the peak
+            bytes allocated and reserved by the caching allocator during the call
+            that warmed up and captured the graph (the process's peaks, read when
+            that call raised them; ``None`` otherwise: sgraph never resets your
+            counters). Reserved beyond allocated is fragmentation and cache.
         calls: how many times this compiled step ran (replays, for a CUDA graph).
         traces / retraces: of the transformed function, at snapshot time.
         trace_seconds / lower_seconds: time spent in those stages for this signature.
@@ -74,15 +81,21 @@ class CompiledStats:
     kernels_unfused: int | None = None
     kernels_fused: int | None = None
     compile_seconds: float | None = None
+    memory_predicted: int | None = None
+    memory_measured: int | None = None
+    memory_reserved: int | None = None
 
     def __repr__(self) -> str:
         fields = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is None and f.name in ("kernels_unfused", "kernels_fused", "compile_seconds"):
-                continue  # only sg.fuse has them
+            if value is None and f.name in _OPTIONAL_STATS:
+                continue  # only sg.fuse, or a captured graph, has them
             fields.append(f"{f.name}={value:.3g}" if isinstance(value, float) else f"{f.name}={value!r}")
         return f"CompiledStats({', '.join(fields)})"
+
+
+_OPTIONAL_STATS = ("kernels_unfused", "kernels_fused", "compile_seconds", "memory_measured", "memory_reserved")
 
 
 class _Stage:
@@ -150,6 +163,7 @@ class Lowered(_Stage):
         self.program = program
         self.traced = traced
         self.seconds = seconds
+        self._memory: MemoryAnalysis | None = None
 
     def memory_analysis(self) -> MemoryAnalysis:
         """The predicted memory of one run of this step: peak bytes, the op at the peak
@@ -159,7 +173,9 @@ class Lowered(_Stage):
         Example:
             >>> print(train_step.lower(params, opt_state, batch).memory_analysis())
         """
-        return memory_analysis(self.program)
+        if self._memory is None:
+            self._memory = memory_analysis(self.program)
+        return self._memory
 
     @property
     def memory_plan(self) -> MemoryPlan | None:
@@ -247,6 +263,7 @@ class Compiled(_Stage):
         """Counters of this compiled step (see :class:`CompiledStats`)."""
         ex = self.executable
         fused = self._fused
+        measured = getattr(ex, "memory_measured", None)
         return CompiledStats(
             runtime=getattr(ex, "runtime", "eager"),
             kernel_launches=getattr(ex, "kernel_launches", None),
@@ -259,6 +276,9 @@ class Compiled(_Stage):
             kernels_unfused=None if fused is None else compute_ops(self.program),
             kernels_fused=None if fused is None else fused.kernels.count,
             compile_seconds=None if fused is None else fused.compile_seconds,
+            memory_predicted=self.lowered.memory_analysis().peak_bytes,
+            memory_measured=None if measured is None else measured[0],
+            memory_reserved=None if measured is None else measured[1],
         )
 
     @property

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..capture import SOURCE_KEY
-from ..errors import CaptureError, FallbackWarning, RetraceWarning, StaleBufferError
+from ..errors import CaptureError, FallbackWarning, RetraceWarning, SgraphWarning, StaleBufferError
 from ..options import StaticOptions
 from ..program import Program, placeholders, returned
 from .eager import write_back
@@ -70,6 +70,7 @@ class CudaGraphExecutable:
         self.captures = 0
         self.kernel_launches: int | None = None
         self.capture_seconds: float | None = None
+        self.memory_measured: tuple[int, int] | None = None
         self._lock = threading.Lock()
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -120,6 +121,7 @@ class CudaGraphExecutable:
         self.graph = None
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        peaks = _peaks()
         try:
             results = self._run_eagerly(inputs, stream)
             try:
@@ -129,6 +131,11 @@ class CudaGraphExecutable:
         finally:
             torch.cuda.current_stream().wait_stream(stream)
         self.capture_seconds = time.perf_counter() - start
+        after = _peaks()
+        # Only a new process-wide peak is this step's own; the user's counters are not reset.
+        self.memory_measured = after if after[0] > peaks[0] else None
+        if self.memory_measured is not None and self.program.memory_plan is not None:
+            _check_plan(self.program, *self.memory_measured)
         return results
 
     def _run_eagerly(self, inputs: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> list[torch.Tensor]:
@@ -175,6 +182,34 @@ class CudaGraphExecutable:
         self.graph, self.static_outputs = graph, outputs
         self.captures += 1
         self.kernel_launches = count_kernels(graph, kept)
+
+
+def _peaks() -> tuple[int, int]:
+    """The process's peak allocated and reserved bytes on the current device so far."""
+    return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+
+
+def _check_plan(program: Program, allocated: int, reserved: int) -> None:
+    """Warn, with the predicted breakdown, when a planned step went over its budget, or
+    (with no budget) over 10% and 64 MiB beyond the planned peak."""
+    from ..passes.memory.analysis import memory_analysis
+
+    predicted = memory_analysis(program)
+    budget = program.memory_plan.budget
+    limit = budget if budget is not None else max(1.1 * predicted.peak_bytes, predicted.peak_bytes + 2**26)
+    if allocated <= limit:
+        return
+    kinds = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(predicted.by_kind.items(), key=lambda kv: -kv[1]))
+    warnings.warn(
+        f"{program.name}: the first step allocated {allocated / 2**20:.0f} MiB at its peak ({reserved / 2**20:.0f} "
+        f"MiB reserved), over the {limit / 2**20:.0f} MiB allowed by sg.plan_memory's plan of "
+        f"{predicted.peak_bytes / 2**20:.0f} MiB (MiB by kind at "
+        f"the planned peak: {kinds}). The difference is memory the plan does not see: library workspaces, "
+        "copies of inputs that are not donated, buffers of generated kernels, or tensors allocated outside the "
+        "step. Lower the budget by that much to fit.",
+        SgraphWarning,
+        stacklevel=6,
+    )
 
 
 def _record(recorder: _NamingInterpreter, inputs: list[torch.Tensor], aliases: Any) -> list[torch.Tensor]:
