@@ -102,5 +102,6 @@ def test_a_target_out_of_range_makes_its_row_nan_not_a_wrong_number(device):
     assert losses[0].isnan() and losses[3].isnan() and z[0].isnan().all() and z[3].isnan().all()
     assert losses[2] == 0 and not z[2].any()  # ignored
     assert losses[[1, 4]].isfinite().all() and z[[1, 4]].isfinite().all()
-    with pytest.raises((RuntimeError, IndexError)):
-        cross_entropy_rows_reference(z.clone(), target, scale, -100, eps)
+    if device == "cpu":  # on CUDA, ATen's gather asserts on the device, poisoning the process
+        with pytest.raises((RuntimeError, IndexError)):
+            cross_entropy_rows_reference(z.clone(), target, scale, -100, eps)
