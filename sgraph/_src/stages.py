@@ -60,11 +60,14 @@ class CompiledStats:
             cache hits included).
         memory_predicted: the predicted peak bytes of one step
             (``Lowered.memory_analysis()``).
-        memory_measured / memory_reserved: under ``sg.static`` on a GPU, the peak
-            bytes allocated and reserved by the caching allocator during the call
-            that warmed up and captured the graph (the process's peaks, read when
-            that call raised them; ``None`` otherwise: sgraph never resets your
-            counters). Reserved beyond allocated is fragmentation and cache.
+        memory_measured: under ``sg.static`` on a GPU, the peak bytes allocated
+            during the call that warmed up and captured the graph, counted like the
+            prediction: the step's inputs plus what the call allocated beyond what
+            was allocated before it. Read from the process's peak counter when that
+            call raised it, else ``None`` (sgraph never resets your counters).
+        memory_reserved: the bytes the caching allocator held after that call (the
+            process's, cached blocks included: beyond allocated is cache and
+            fragmentation).
         calls: how many times this compiled step ran (replays, for a CUDA graph).
         traces / retraces: of the transformed function, at snapshot time.
         trace_seconds / lower_seconds: time spent in those stages for this signature.

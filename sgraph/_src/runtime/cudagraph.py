@@ -122,6 +122,8 @@ class CudaGraphExecutable:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         peaks = _peaks()
+        # The step's own peak is counted like the prediction: its inputs, plus what it allocates.
+        base = torch.cuda.memory_allocated() - _storage_bytes(inputs)
         try:
             results = self._run_eagerly(inputs, stream)
             try:
@@ -133,7 +135,7 @@ class CudaGraphExecutable:
         self.capture_seconds = time.perf_counter() - start
         after = _peaks()
         # Only a new process-wide peak is this step's own; the user's counters are not reset.
-        self.memory_measured = after if after[0] > peaks[0] else None
+        self.memory_measured = (after[0] - base, torch.cuda.memory_reserved()) if after[0] > peaks[0] else None
         if self.memory_measured is not None and self.program.memory_plan is not None:
             _check_plan(self.program, *self.memory_measured)
         return results
@@ -187,6 +189,11 @@ class CudaGraphExecutable:
 def _peaks() -> tuple[int, int]:
     """The process's peak allocated and reserved bytes on the current device so far."""
     return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+
+
+def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.is_cuda}
+    return sum(storages.values())
 
 
 def _check_plan(program: Program, allocated: int, reserved: int) -> None:
