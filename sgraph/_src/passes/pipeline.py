@@ -2,7 +2,8 @@
 
 Whatever order the user stacks the decorators in, a step is lowered the same way:
 kernel fixes (replay), cleanup and algebraic folds, then (as they land) sharding,
-memory planning (rematerialization), then donation, which must see the final outputs, then
+memory planning (optimizer updates scheduled as gradients finish where that
+lowers the predicted peak, then rematerialization), then donation, which must see the final outputs, then
 reinplacing, which makes the graph write donated outputs straight into their inputs
 and so must come last.
 """
@@ -13,7 +14,9 @@ from ..options import Options
 from ..program import Program
 from .cleanup import cleanup
 from .donation import donation
+from .memory.analysis import memory_analysis
 from .memory.plan import device_budget, plan_memory
+from .memory.schedule import schedule
 from .reinplace import reinplace
 from .replay import replay
 from .simplify import simplify
@@ -41,5 +44,15 @@ def _planned(program: Program, options: Options) -> Program:
     budget = memory.budget
     if isinstance(budget, float):
         budget = device_budget(budget, program)
-    planned, plan = plan_memory(program, memory, budget)
+    planned, plan = plan_memory(_scheduled_if_lower(program), memory, budget)
     return planned.replace(memory_plan=plan, passes=planned.passes + ("plan_memory",))
+
+
+def _scheduled_if_lower(program: Program) -> Program:
+    """The program with its optimizer updates moved up to where their gradients are
+    final, if that lowers the predicted peak: an update run inside the backward frees
+    its gradient early but makes its temporaries while activations are still live."""
+    scheduled = schedule(program)
+    if scheduled.graph_module is program.graph_module:
+        return program
+    return scheduled if memory_analysis(scheduled).peak_bytes < memory_analysis(program).peak_bytes else program

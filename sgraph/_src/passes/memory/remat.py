@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils.flop_counter import flop_registry
 
 from ...capture import SOURCE_KEY
 from ...program import Program, memory_root
@@ -231,6 +230,9 @@ def _kind(op: Node) -> str:
 
 def _cost(op: Node) -> tuple[int, int]:
     """Estimated FLOPs and bytes moved by ``op`` (its tensor inputs read, outputs written)."""
+    # Imported here: importing it with sgraph upsets Triton's interpreter (TRITON_INTERPRET=1).
+    from torch.utils.flop_counter import flop_registry
+
     vals = [a.meta.get("val") for a in _node_args(op)]
     moved = sum(_bytes(v) for v in vals) + _bytes(op.meta.get("val"))
     target = op.target
