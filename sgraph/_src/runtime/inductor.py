@@ -51,8 +51,7 @@ class InductorExecutable:
         values = returned(program.graph)
         self._roots = [memory_root(values[o]) if isinstance(values[o], torch.fx.Node) else None for o in self._kept]
         self._count = len(values)
-        planned = program.memory_plan is not None
-        self._compiled: Any = _compile(program.name, gm, _independent_examples(program), options, planned)
+        self._compiled: Any = _compile(program.name, gm, _independent_examples(program), options)
         self.compile_seconds = time.perf_counter() - start
         self.kernels: KernelMap = kernel_map(self._compiled)
         self.kernel_launches: int | None = None
@@ -93,16 +92,12 @@ _DONATED = object()
 _COMPILE_LOCK = threading.Lock()  # the config patch is process-wide: one compile at a time
 
 
-def _compile(
-    name: str, gm: torch.fx.GraphModule, examples: list[torch.Tensor], options: FuseOptions, planned: bool = False
-) -> Any:
+def _compile(name: str, gm: torch.fx.GraphModule, examples: list[torch.Tensor], options: FuseOptions) -> Any:
     """``compile_fx`` under sgraph's settings; a failure becomes a :class:`CaptureError`
-    (which ``fallback="eager"`` turns into an eager run). For a memory-planned step,
-    far-apart nodes are not fused (see :func:`_near_fusions_only`)."""
+    (which ``fallback="eager"`` turns into an eager run)."""
     from torch._inductor.compile_fx import compile_fx
 
-    near = _near_fusions_only() if planned else contextlib.nullcontext()
-    with _COMPILE_LOCK, progress(f"{name}: generating kernels"), inductor_config(options), near:
+    with _COMPILE_LOCK, progress(f"{name}: generating kernels"), inductor_config(options):
         try:
             return compile_fx(gm, examples)
         except Exception as error:
@@ -113,46 +108,6 @@ def _compile(
                 f"{text}. sg.static alone runs the same program on ATen kernels; pass fallback='eager' to "
                 "run the step uncaptured instead of raising."
             ) from error
-
-
-_FUSING = threading.local()
-_FUSION_DISTANCE = 64
-
-
-@contextlib.contextmanager
-def _near_fusions_only() -> Iterator[None]:
-    """In this thread's compile, refuse to fuse nodes far apart in the program's order.
-
-    Inductor fuses nodes that read the same buffer however far apart they are: a
-    copy that ``sg.plan_memory`` put in the backward to recompute a value would fuse
-    with its twin in the forward, and the value would be kept after all. Inductor
-    has the distance test (``Scheduler.are_long_distant_nodes``) but does not apply
-    it; sgraph applies it while compiling a planned step, in its own thread only.
-    """
-    from torch._inductor.scheduler import Scheduler
-
-    original = Scheduler.can_fuse
-
-    def can_fuse(self: Any, node1: Any, node2: Any, *args: Any, **kwargs: Any) -> bool:
-        if getattr(_FUSING, "near_only", False) and _far_apart(node1, node2):
-            return False
-        return original(self, node1, node2, *args, **kwargs)
-
-    _FUSING.near_only = True
-    Scheduler.can_fuse = can_fuse  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        Scheduler.can_fuse = original  # type: ignore[method-assign]
-        _FUSING.near_only = False
-
-
-def _far_apart(node1: Any, node2: Any) -> bool:
-    try:
-        distance = max(abs(node1.min_order - node2.max_order), abs(node2.min_order - node1.max_order))
-    except AttributeError:  # a scheduler node without an order: leave the decision to Inductor
-        return False
-    return distance > _FUSION_DISTANCE
 
 
 def _independent_examples(program: Program) -> list[torch.Tensor]:
