@@ -21,9 +21,11 @@ from dataclasses import dataclass
 
 import torch.fx
 
+from ...capture import SOURCE_KEY
 from ...errors import ArgumentError
 from ...options import MemoryOptions
 from ...program import Program, memory_root
+from ...source import MODULE_KEY
 from .analysis import memory_analysis
 from .remat import Group, forward_end, groups, rematerialize
 
@@ -238,10 +240,10 @@ def _block_outputs(found: Sequence[Group], blocks: str | None) -> set[Node]:
     for g in found:
         block = _block(g.module, blocks)
         for user in g.root.users:
-            module = str(user.meta.get("sgraph_module", ""))
-            if user.meta.get("sgraph_source") is not None and not user.meta["sgraph_source"].backward:
-                if _block(module, blocks) != block:
-                    outputs.add(g.root)
+            source = user.meta.get(SOURCE_KEY)
+            in_forward = source is not None and not source.backward
+            if in_forward and _block(str(user.meta.get(MODULE_KEY, "")), blocks) != block:
+                outputs.add(g.root)
     return outputs
 
 
