@@ -15,7 +15,17 @@ from models import GPT, GPTConfig, gpt_loss, mlp  # noqa: E402
 
 import sgraph as sg  # noqa: E402
 
-__all__ = ["GPT", "GPTConfig", "gpt_loss", "mlp", "tiny_gpt", "make_train_step", "torch_adamw_losses"]
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "gpt_loss",
+    "mlp",
+    "tiny_gpt",
+    "make_train_step",
+    "run_steps",
+    "torch_adamw_losses",
+    "train_step_fn",
+]
 
 TINY_GPT = GPTConfig(vocab=64, d=32, layers=2, heads=2, seq=16)
 
@@ -25,8 +35,8 @@ def tiny_gpt(seed: int = 0) -> GPT:
     return GPT(TINY_GPT)
 
 
-def make_train_step(apply, loss, opt, **static_options):
-    """The README's train step for a model applied as ``apply(params, {}, x)``."""
+def train_step_fn(apply, loss, opt):
+    """The README's train step, untransformed, for a model applied as ``apply(params, {}, x)``."""
 
     def loss_fn(params, batch):
         x, y = batch
@@ -37,7 +47,23 @@ def make_train_step(apply, loss, opt, **static_options):
         updates, opt_state = opt.update(grads, opt_state, params)
         return sg.optim.apply_updates(params, updates), opt_state, {"loss": value}
 
-    return sg.static(train_step, **static_options)
+    return train_step
+
+
+def make_train_step(apply, loss, opt, **static_options):
+    """The README's train step under ``sg.static``."""
+    return sg.static(train_step_fn(apply, loss, opt), **static_options)
+
+
+def run_steps(step, params, opt_state, batches):
+    """Run ``step`` on copies of ``params`` and ``opt_state``; each call's loss and params."""
+    params = {k: v.clone() for k, v in params.items()}
+    opt_state = sg.tree.map(torch.clone, opt_state)
+    out = []
+    for batch in batches:
+        params, opt_state, metrics = step(params, opt_state, batch)
+        out.append((metrics["loss"].clone(), {k: v.clone() for k, v in params.items()}))
+    return out
 
 
 def torch_adamw_losses(model: nn.Module, batches, loss, lr=1e-3, weight_decay=0.01):

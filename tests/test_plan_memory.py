@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from models_for_tests import gpt_loss, tiny_gpt, token_batches
+from models_for_tests import gpt_loss, run_steps, tiny_gpt, token_batches, train_step_fn
 
 import sgraph as sg
 from sgraph._src.passes.memory.remat import RECOMPUTED_KEY, forward_end, groups
@@ -14,36 +14,13 @@ from sgraph._src.source import MODULE_KEY
 X = torch.randn(256)  # 1024 bytes
 
 
-def _gpt_step(apply, opt):
-    def loss_fn(params, batch):
-        x, y = batch
-        return gpt_loss(apply(params, {}, x), y)
-
-    def step(params, opt_state, batch):
-        value, grads = sg.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return sg.optim.apply_updates(params, updates), opt_state, {"loss": value}
-
-    return step
-
-
 @pytest.fixture(scope="module")
 def gpt():
     model = tiny_gpt()
     apply, params, _ = sg.functional(model)
     opt = sg.optim.adamw(1e-2, weight_decay=0.01)
     # A batch large enough that activations, not the optimizer's update, make the peak.
-    return _gpt_step(apply, opt), params, opt.init(params), token_batches(3, 64)
-
-
-def _run(step, params, opt_state, batches):
-    params = {k: v.clone() for k, v in params.items()}
-    opt_state = sg.tree.map(torch.clone, opt_state)
-    results = []
-    for batch in batches:
-        params, opt_state, metrics = step(params, opt_state, batch)
-        results.append((metrics["loss"], {k: v.clone() for k, v in params.items()}))
-    return results
+    return train_step_fn(apply, gpt_loss, opt), params, opt.init(params), token_batches(3, 64)
 
 
 def _assert_bitwise(got, want):
@@ -144,9 +121,9 @@ def test_module_paths_are_recorded_on_forward_nodes(gpt):
 )
 def test_planned_steps_give_bitwise_equal_params_over_several_steps(gpt, options):
     step, params, opt_state, batches = gpt
-    want = _run(sg.static(step, donate=("params", "opt_state")), params, opt_state, batches)
+    want = run_steps(sg.static(step, donate=("params", "opt_state")), params, opt_state, batches)
     planned = sg.static(sg.plan_memory(**options)(step), donate=("params", "opt_state"))
-    got = _run(planned, params, opt_state, batches)
+    got = run_steps(planned, params, opt_state, batches)
     _assert_bitwise(got, want)
     assert planned.last_compiled.lowered.memory_plan.recomputed  # something was recomputed
 
@@ -207,7 +184,8 @@ def test_plan_memory_alone_runs_eagerly_and_matches(gpt):
     step, params, opt_state, batches = gpt
     planned = sg.plan_memory(policy="save_block_inputs")(step)
     assert planned.api.startswith("sg.plan_memory(") and planned.last_compiled is None
-    _assert_bitwise(_run(planned, params, opt_state, batches), _run(sg.static(step), params, opt_state, batches))
+    want = run_steps(sg.static(step), params, opt_state, batches)
+    _assert_bitwise(run_steps(planned, params, opt_state, batches), want)
 
 
 def test_the_plan_is_shown(gpt):

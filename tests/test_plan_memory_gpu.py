@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from models_for_tests import gpt_loss, tiny_gpt, token_batches
+from models_for_tests import gpt_loss, run_steps, tiny_gpt, token_batches, train_step_fn
 
 import sgraph as sg
 
@@ -18,28 +18,8 @@ def _setup():
     model = tiny_gpt().cuda()
     apply, params, _ = sg.functional(model)
     opt = sg.optim.adamw(1e-2, weight_decay=0.01)
-
-    def loss_fn(params, batch):
-        x, y = batch
-        return gpt_loss(apply(params, {}, x), y)
-
-    def step(params, opt_state, batch):
-        value, grads = sg.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return sg.optim.apply_updates(params, updates), opt_state, {"loss": value}
-
     batches = [(x.cuda(), y.cuda()) for x, y in token_batches(3, 64)]
-    return step, params, opt.init(params), batches
-
-
-def _run(step, params, opt_state, batches):
-    params = {k: v.clone() for k, v in params.items()}
-    opt_state = sg.tree.map(torch.clone, opt_state)
-    out = []
-    for batch in batches:
-        params, opt_state, metrics = step(params, opt_state, batch)
-        out.append((metrics["loss"].clone(), {k: v.clone() for k, v in params.items()}))
-    return out
+    return train_step_fn(apply, gpt_loss, opt), params, opt.init(params), batches
 
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["eager-kernels", "fused"])
@@ -47,11 +27,11 @@ def _run(step, params, opt_state, batches):
 def test_planned_step_in_a_cuda_graph_is_bitwise_the_unplanned_one(fuse, policy):
     step, params, opt_state, batches = _setup()
     body = sg.fuse(step) if fuse else step
-    want = _run(sg.static(body, donate=("params", "opt_state")), params, opt_state, batches)
+    want = run_steps(sg.static(body, donate=("params", "opt_state")), params, opt_state, batches)
     planned = sg.static(sg.plan_memory(policy=policy)(body), donate=("params", "opt_state"))
     with warnings.catch_warnings():
         warnings.simplefilter("error", sg.SgraphWarning)
-        got = _run(planned, params, opt_state, batches)
+        got = run_steps(planned, params, opt_state, batches)
     compiled = planned.last_compiled
     assert compiled.lowered.memory_plan.recomputed
     assert compiled.stats.runtime == ("inductor+cudagraph" if fuse else "cudagraph")
@@ -71,7 +51,7 @@ def test_stats_give_the_predicted_and_measured_peak():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     planned = sg.static(sg.plan_memory(step), donate=("params", "opt_state"))
-    _run(planned, params, opt_state, batches[:1])
+    run_steps(planned, params, opt_state, batches[:1])
     stats = planned.last_compiled.stats
     assert stats.memory_predicted > 0
     assert stats.memory_measured is not None and stats.memory_reserved >= stats.memory_measured
@@ -87,4 +67,4 @@ def test_a_step_over_its_budget_warns_with_a_breakdown():
     budget = lowered.memory_analysis().peak_bytes  # met in prediction, but workspaces come on top
     planned = sg.static(sg.plan_memory(budget=budget)(step), donate=("params", "opt_state"))
     with pytest.warns(sg.SgraphWarning, match=r"allocated \d+ MiB at its peak .*MiB by kind at the planned peak"):
-        _run(planned, params, opt_state, batches[:1])
+        run_steps(planned, params, opt_state, batches[:1])
