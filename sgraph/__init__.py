@@ -5,7 +5,7 @@ Write one pure train step over pytrees of tensors; ``sg.static`` captures it who
 """
 
 from . import optim, random, tree
-from ._src.api import Transformed, fuse, plan_memory, static
+from ._src.api import Transformed, fuse, plan_memory, shard, static
 from ._src.errors import (
     ArgumentError,
     ArgumentTypeError,
@@ -24,6 +24,7 @@ from ._src.functional import functional
 from ._src.grad import grad, value_and_grad
 from ._src.passes.memory.analysis import MemoryAnalysis
 from ._src.passes.memory.plan import MemoryPlan
+from ._src.sharding import P, ddp, distribute, fsdp, mesh, replicate, tp
 from ._src.stages import Compiled, CompiledStats, Lowered, Traced
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "Lowered",
     "MemoryAnalysis",
     "MemoryPlan",
+    "P",
     "Traced",
     "Transformed",
     "DonationWarning",
@@ -46,11 +48,18 @@ __all__ = [
     "SgraphWarning",
     "StaleBufferError",
     "TreeStructureError",
+    "ddp",
+    "distribute",
+    "fsdp",
     "functional",
     "fuse",
     "grad",
+    "mesh",
     "plan_memory",
+    "replicate",
+    "shard",
     "static",
+    "tp",
     "value_and_grad",
     "optim",
     "random",

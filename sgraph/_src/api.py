@@ -7,6 +7,7 @@ so the order of the decorators does not change the meaning.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 import threading
@@ -36,11 +37,12 @@ from .options import (
     check_patterns,
     check_unknown,
 )
+from .sharding import Sharder, ShardOptions, check_specs, mesh_axes
 from .signature import Signature, signature_of
 from .stages import Compiled, Counters, Traced
-from .trace import ArgLayout, arg_layout, trace
+from .trace import ArgLayout, arg_layout, positional_names, trace
 
-__all__ = ["static", "fuse", "plan_memory", "Transformed"]
+__all__ = ["static", "fuse", "plan_memory", "shard", "Transformed"]
 
 
 class Transformed:
@@ -66,6 +68,7 @@ class Transformed:
         self._lock = threading.RLock()
         self._bound = weakref.ref(bound) if bound is not None else None
         self._methods: weakref.WeakKeyDictionary[Any, Transformed] = weakref.WeakKeyDictionary()
+        self._sharder = None if options.shard is None else Sharder(self.api, options.shard, ())
         functools.update_wrapper(self, fn)
 
     @property
@@ -73,7 +76,10 @@ class Transformed:
         """How messages name this step, e.g. ``sg.static(train_step)`` (the outermost
         transform that decides how it runs: ``sg.static``, else ``sg.fuse``)."""
         options = self.options
-        transform = "fuse" if options.fuse is not None else "plan_memory" if options.memory is not None else "static"
+        transform = next(
+            (name for name, record in (("fuse", options.fuse), ("plan_memory", options.memory)) if record is not None),
+            "shard" if options.shard is not None else "static",
+        )
         return f"sg.{'static' if options.static is not None else transform}({_name(self.fn)})"
 
     @property
@@ -103,6 +109,8 @@ class Transformed:
         if guards.is_tracing() or self._fallback_reason is not None:
             # Inside another step's trace this step is part of that step, as jit inside jit.
             return self._call_fn(args, kwargs)
+        if self._sharder is not None:
+            args, kwargs = self._placed(args, kwargs)
         leaves, structure = self._flattener.flatten(args, kwargs)
         state = guards.global_state()
         found = self._lookup(leaves, structure, state)
@@ -195,6 +203,8 @@ class Transformed:
         Example:
             >>> print(train_step.trace(params, opt_state, batch).as_text())
         """
+        if self._sharder is not None:
+            args, kwargs = self._placed(args, kwargs)
         leaves, structure = ArgFlattener().flatten(args, kwargs)
         self._check_binding(args, kwargs)
         layout = self._layout(args, kwargs)
@@ -210,7 +220,21 @@ class Transformed:
         start = time.perf_counter()
         bound = () if self._bound is None else (self._instance(),)
         kernels = self.options.fuse.kernels if self.options.fuse is not None else ()
-        program = trace(self.fn, args, kwargs, api=self.api, layout=layout, bound=bound, kernels=kernels)
+        compute, out_layout = [], None
+        if self._sharder is not None:
+            compute = self._sharder.compute(self._named(args, kwargs))
+            out_layout = self._sharder.out_layout()
+        program = trace(
+            self.fn,
+            args,
+            kwargs,
+            api=self.api,
+            layout=layout,
+            bound=bound,
+            kernels=kernels,
+            compute=compute,
+            out_layout=out_layout,
+        )
         self._counters.traces += 1
         signature = Signature(
             signature.structure,
@@ -221,6 +245,19 @@ class Transformed:
             signature.names,
         )
         return Traced(program, signature, layout, self.options, self._counters, time.perf_counter() - start)
+
+    def _named(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
+        """The arguments with their parameter names, in the order their leaves flatten."""
+        skip = 0 if self._bound is None else 1
+        names = positional_names(self.fn, len(args) + skip)[skip:]
+        return [*zip(names, args), *((k, kwargs[k]) for k in sorted(kwargs))]
+
+    def _placed(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The arguments with plain tensors laid out as DTensors, as ``sg.shard``'s specs say."""
+        assert self._sharder is not None
+        placed = self._sharder.place(self._named(args, kwargs))
+        n = len(args)
+        return tuple(placed[:n]), dict(zip(sorted(kwargs), placed[n:]))
 
     def _layout(self, args: Sequence[Any], kwargs: dict[str, Any]) -> ArgLayout:
         return arg_layout(self.fn, args, kwargs, self._static.donate, skip=0 if self._bound is None else 1)
@@ -489,6 +526,66 @@ def plan_memory(
         return Transformed(base, options.with_memory(record))
 
     return wrap if fn is None else wrap(fn)
+
+
+def shard(mesh: Any, /, *, out: Any = None, **specs: Any) -> Callable[[Callable[..., Any]], Transformed]:
+    """Run the step over a device mesh: the step is written for whole tensors, and its
+    arguments are DTensors laid out as the specs say; DTensor's propagation turns the
+    step into local ops and collectives, which the compiled program holds (and, under
+    ``sg.static`` on GPUs, captures in its one CUDA graph).
+
+    Args:
+        mesh: a mesh with named axes (``sg.mesh(dp=2)``, or a torch ``DeviceMesh``).
+        out: specs for the step's result (a prefix of its structure); by default each
+            DTensor output is laid out like the input it matches (new params like
+            params, new optimizer state like the old), and sums over ranks are done.
+        **specs: per argument name, a spec (``sg.P("dp")``, ``sg.fsdp("dp")``, ...) or a
+            prefix tree of specs. A plain tensor is this rank's shard of the DTensor
+            the spec describes (a replicated one must hold the same values on every
+            rank); a DTensor must already be laid out so. Arguments without a spec
+            follow ``params`` where their leaves match a parameter (optimizer moments)
+            and are replicated otherwise.
+
+    Returns:
+        A decorator; stack it with ``sg.static``, ``sg.fuse`` and ``sg.plan_memory`` in any order.
+
+    Raises:
+        ArgumentError / ArgumentTypeError: an unnamed mesh, a spec naming an axis the
+            mesh lacks, an argument the step does not take.
+
+    Example:
+        >>> @sg.static(donate=("params", "opt_state"))
+        ... @sg.shard(mesh, params=sg.fsdp("dp"), batch=sg.P("dp"))
+        ... def train_step(params, opt_state, batch): ...
+    """
+
+    def wrap(f: Callable[..., Any]) -> Transformed:
+        base = f.fn if isinstance(f, Transformed) else f
+        api = f"sg.shard({_name(base)})"
+        mesh_axes(mesh, api)
+        _check_spec_names(api, base, specs)
+        for name, spec in [*specs.items(), ("out", out)]:
+            check_specs(api, mesh, name if name != "out" else "out", spec)
+        base, options = _unwrap(f, "shard")
+        return Transformed(base, options.with_shard(ShardOptions(mesh, tuple(specs.items()), out)))
+
+    return wrap
+
+
+def _check_spec_names(api: str, fn: Callable[..., Any], specs: dict[str, Any]) -> None:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    for name in specs:
+        if name not in params:
+            close = difflib.get_close_matches(name, list(params), n=1)
+            hint = f" Did you mean {close[0]}=?" if close else ""
+            raise ArgumentError(
+                f"{api}: {name}= names no parameter of the step (its parameters: {', '.join(params)}).{hint}"
+            )
 
 
 def _unwrap(f: Callable[..., Any], transform: str) -> tuple[Callable[..., Any], Options]:

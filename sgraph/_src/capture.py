@@ -317,6 +317,8 @@ class SourceMode(TorchDispatchMode):
         from torch._subclasses.fake_tensor import FakeTensor
 
         for a in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if type(a).__name__ == "DTensor":
+                continue  # a wrapper: its local shard is checked when DTensor runs the op on it
             if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) and a.requires_grad:
                 kind = "an nn.Parameter" if isinstance(a, torch.nn.Parameter) else "a tensor that requires grad"
                 raise CaptureError(

@@ -105,7 +105,7 @@ def check_call_inputs(api: str, leaves: Sequence[Any], paths: Sequence[str]) -> 
     """Refuse inputs a compiled step cannot honour, naming the leaf's path.
 
     Raises:
-        UnsupportedError: a DTensor, a tensor inside a torch.func transform, a tensor
+        UnsupportedError: a tensor inside a torch.func transform, a tensor
             that requires grad while grad mode is on, or a sparse tensor.
         ArgumentTypeError: a static argument hides tensors inside an object that is
             not a registered pytree node.
@@ -119,12 +119,6 @@ def check_call_inputs(api: str, leaves: Sequence[Any], paths: Sequence[str]) -> 
 
 
 def _check_tensor(api: str, t: torch.Tensor, path: str, grad_on: bool) -> None:
-    if type(t).__name__ == "DTensor":
-        raise UnsupportedError(
-            f"{api}: {path} is a DTensor; sg.static takes plain tensors for now (sharded steps come "
-            "with sg.shard). A step over DTensors (e.g. an FSDP2 model through sg.functional) trains "
-            "correctly without sg.static: call the step function itself."
-        )
     if torch._C._functorch.is_functorch_wrapped_tensor(t):
         raise UnsupportedError(
             f"{api}: {path} comes from a torch.func transform (grad, vmap, jacrev...) applied outside "

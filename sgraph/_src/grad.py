@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from . import tree
+from .dtensors import for_compute, like
 from .errors import ArgumentError, ArgumentTypeError
 
 __all__ = ["grad", "value_and_grad"]
@@ -99,16 +100,16 @@ def _value_and_grad(
     outer = any(isinstance(x, torch.Tensor) and x.requires_grad for n in nums for x in tree.leaves(args[n]))
     for n in nums:
         leaves, spec = tree.flatten(args[n])
-        leaves = [_watch(leaf, fun, n, i, spec) for i, leaf in enumerate(leaves)]
-        inputs.append(leaves)
+        watched = [_watch(leaf, fun, n, i, spec) for i, leaf in enumerate(leaves)]
+        inputs.append(watched)
         specs.append(spec)
-        args[n] = tree.unflatten(spec, leaves)
+        args[n] = tree.unflatten(spec, [for_compute(a, b) for a, b in zip(leaves, watched)])
     flat = [leaf for leaves in inputs for leaf in leaves]
     create_graph = outer  # an outer sg.grad differentiates through this one
     with torch.enable_grad():  # gradients even under an outer torch.no_grad(), as torch.func.grad
         out = fun(*args, **kwargs)
         value, aux = _split_aux(fun, out, has_aux)
-        grads = _autograd(value, flat, create_graph)
+        grads = [like(g, x) for g, x in zip(_autograd(value, flat, create_graph), flat)]
     grads_trees, start = [], 0
     for leaves, spec in zip(inputs, specs):
         grads_trees.append(tree.unflatten(spec, grads[start : start + len(leaves)]))

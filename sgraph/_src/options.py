@@ -80,6 +80,7 @@ class Options:
     static: StaticOptions | None = None
     fuse: FuseOptions | None = None
     memory: MemoryOptions | None = None
+    shard: Any = None  # a sharding.ShardOptions
     names: tuple[str, ...] = field(default=())
 
     def with_static(self, static: StaticOptions) -> Options:
@@ -90,6 +91,9 @@ class Options:
 
     def with_memory(self, memory: MemoryOptions) -> Options:
         return replace(self, memory=memory, names=self.names + ("plan_memory",))
+
+    def with_shard(self, shard: Any) -> Options:
+        return replace(self, shard=shard, names=self.names + ("shard",))
 
     @property
     def effective_static(self) -> StaticOptions:

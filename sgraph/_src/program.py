@@ -39,7 +39,9 @@ class LeafInfo:
     """One leaf of the step's inputs or outputs.
 
     ``graph_index`` is the leaf's placeholder (inputs) or output position (outputs)
-    in the graph, or ``None`` for a static leaf, whose value is ``value``.
+    in the graph, or ``None`` for a static leaf, whose value is ``value``. A DTensor
+    leaf enters and leaves the graph as its local shard (``shape`` is the shard's);
+    ``dist`` says how that shard makes the DTensor.
     """
 
     path: str
@@ -48,6 +50,7 @@ class LeafInfo:
     dtype: torch.dtype | None = None
     device: torch.device | None = None
     value: Any = None
+    dist: Any = None
 
     @property
     def is_tensor(self) -> bool:
@@ -56,7 +59,8 @@ class LeafInfo:
     def describe(self) -> str:
         if not self.is_tensor:
             return f"static {self.value!r}"
-        return describe_tensor(self.dtype, self.shape, self.device)
+        text = describe_tensor(self.dtype, self.shape, self.device)
+        return text if self.dist is None else f"{text}, shard of {self.dist.describe()}"
 
 
 @dataclass(frozen=True)

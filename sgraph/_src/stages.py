@@ -16,8 +16,10 @@ from typing import Any, cast
 import torch
 
 from . import tree
+from .agreement import agree
 from .aliasing import AliasGuard, extent
 from .argtree import ArgFlattener
+from .dtensors import dist_info, is_dtensor, local, wrap
 from .errors import ArgumentTypeError
 from .guards import global_state
 from .options import Options
@@ -232,6 +234,8 @@ class Compiled(_Stage):
         self._plain_outputs = all(o.graph_index == i for i, o in enumerate(outputs))
         self._output_plan = [(o.graph_index, o.value) for o in outputs]
         self.alias = _alias_guard(self.program, traced)
+        self._sharded = any(leaf.dist is not None for leaf in (*self.program.inputs, *outputs))
+        self._out_dists = [o.dist for o in outputs if o.is_tensor]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, structure = ArgFlattener().flatten(args, kwargs)
@@ -254,11 +258,27 @@ class Compiled(_Stage):
     def call_tensors(self, tensors: Sequence[torch.Tensor]) -> Any:
         """Run on the call's tensor leaves alone (signature already checked); inputs that
         share memory with donated ones are checked here, on every call."""
+        if self._sharded:
+            return self._call_sharded(tensors)
         outputs = self.executable(self.alias.prepare(tensors))
         self.calls += 1
         if self._plain_outputs:
             return tree.unflatten(self.program.out_spec, outputs)
         result = [value if i is None else outputs[i] for i, value in self._output_plan]
+        return tree.unflatten(self.program.out_spec, result)
+
+    def _call_sharded(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """DTensors in as local shards, out as DTensors (a donated input's own object
+        where its output was written into it)."""
+        if self.calls == 0:
+            agree(self.program, tensors)  # before the first collective: a mismatch would hang
+        outputs = self.executable(self.alias.prepare([local(t) for t in tensors]))
+        self.calls += 1
+        wrapped = wrap(outputs, self._out_dists)
+        for out, into in self.program.aliases:
+            if is_dtensor(tensors[into]) and self._out_dists[out] == dist_info(tensors[into]):
+                wrapped[out] = tensors[into]
+        result = [value if i is None else wrapped[i] for i, value in self._output_plan]
         return tree.unflatten(self.program.out_spec, result)
 
     @property

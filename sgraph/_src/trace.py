@@ -29,12 +29,23 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from . import guards, tree
 from .capture import SOURCE_KEY, GuardMode, Source, SourceMode
 from .cudnn_rnn import CudnnRnnGuard
+from .dtensors import (
+    DistInfo,
+    OutLayout,
+    compute_scope,
+    compute_table,
+    dist_info,
+    is_dtensor,
+    local,
+    matching_layout,
+    rebuild,
+)
 from .errors import CaptureError
 from .hidden import find_hidden_tensor
 from .patterns import LinearCrossEntropyMode
 from .program import LeafInfo, Program, alias_root, placeholders, returned, written_args
 
-__all__ = ["ArgLayout", "trace", "arg_layout"]
+__all__ = ["ArgLayout", "trace", "arg_layout", "positional_names"]
 
 _TRACE_LOCK = threading.RLock()
 
@@ -68,7 +79,7 @@ def arg_layout(
     Returns:
         Leaf paths in the order :func:`tree.flatten` gives ``(args, kwargs)``.
     """
-    names = _positional_names(fn, len(args) + skip)[skip:]
+    names = positional_names(fn, len(args) + skip)[skip:]
     positions = {d - skip for d in donate if isinstance(d, int)}
     named = {d for d in donate if isinstance(d, str)}
     paths: list[str] = []
@@ -83,7 +94,8 @@ def arg_layout(
     return ArgLayout(tuple(paths), frozenset(donated), tuple(name for name, _, _ in parts))
 
 
-def _positional_names(fn: Callable[..., Any], count: int) -> list[str]:
+def positional_names(fn: Callable[..., Any], count: int) -> list[str]:
+    """The names of ``fn``'s first ``count`` positional parameters (``args[i]`` past them)."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
@@ -110,6 +122,8 @@ def trace(
     layout: ArgLayout,
     bound: Sequence[Any] = (),
     kernels: Sequence[str] = (),
+    compute: Sequence[Any] = (),
+    out_layout: OutLayout | None = None,
 ) -> Program:
     """Trace ``fn(*bound, *args, **kwargs)`` into a functional Program.
 
@@ -124,6 +138,11 @@ def trace(
         bound: leading arguments that are not traced (a method's ``self``).
         kernels: own kernels whose patterns are matched while tracing (``sg.fuse``'s
             ``kernels`` option; see :mod:`patterns`).
+        compute: per leaf, the placements a DTensor leaf is computed with where they
+            differ from its own (FSDP's gathered parameters), else None.
+        out_layout: the placements of each DTensor the step returns (see
+            :data:`OutLayout`); by default each follows the input it matches
+            (:func:`dtensors.matching_layout`) and partial sums are summed.
 
     Returns:
         The Program, before any pass.
@@ -136,12 +155,12 @@ def trace(
     donated = frozenset(
         cast(int, info.graph_index) for i, info in enumerate(inputs) if i in layout.donated_leaves and info.is_tensor
     )
-    flat_fn, result = _flat_step(fn, api, in_spec, leaves, bound, kernels)
-    with _TRACE_LOCK, guards.tracing() as modules:  # GuardMode adds the sync and RNG guards
+    flat_fn, result = _flat_step(fn, api, in_spec, leaves, bound, kernels, compute, out_layout)
+    with _TRACE_LOCK, guards.tracing() as modules, compute_scope():  # GuardMode adds the sync and RNG guards
         autograd_graph = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
         functional = _functionalize(autograd_graph, tensors, api)
     _check_outputs(api, result["spec"], result["leaves"])
-    outputs = _output_infos(result["spec"], result["leaves"], functional)
+    outputs = _output_infos(result["spec"], result["leaves"], result["dists"], functional)
     program = Program(
         name=api,
         graph_module=functional,
@@ -161,8 +180,10 @@ def _input_infos(leaves: list[Any], paths: Sequence[str]) -> tuple[list[LeafInfo
     tensors: list[torch.Tensor] = []
     for leaf, path in zip(leaves, paths):
         if isinstance(leaf, torch.Tensor):
-            infos.append(LeafInfo(path, len(tensors), tuple(leaf.shape), leaf.dtype, leaf.device))
-            tensors.append(leaf.detach())
+            dist = dist_info(leaf) if is_dtensor(leaf) else None
+            shard = local(leaf)
+            infos.append(LeafInfo(path, len(tensors), tuple(shard.shape), shard.dtype, shard.device, dist=dist))
+            tensors.append(shard.detach())
         else:
             infos.append(LeafInfo(path, None, value=leaf))
     return infos, tensors
@@ -175,24 +196,50 @@ def _flat_step(
     leaves: list[Any],
     bound: Sequence[Any],
     kernels: Sequence[str],
+    compute: Sequence[Any],
+    out_layout: OutLayout | None,
 ) -> tuple[Callable[..., list[torch.Tensor]], dict[str, Any]]:
-    """``fn`` as a function of its tensor leaves only, returning its tensor outputs."""
+    """``fn`` as a function of its tensor leaves only (DTensors as local shards),
+    returning its tensor outputs (DTensors as local shards)."""
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    dists = [dist_info(leaves[i]) if is_dtensor(leaves[i]) else None for i in positions]
+    gathered = [compute[i] if i < len(compute) else None for i in positions]
     result: dict[str, Any] = {}
 
     def flat_fn(*tensors: torch.Tensor) -> list[torch.Tensor]:
         full = list(leaves)
-        for i, t in zip(positions, tensors):
-            full[i] = t
+        table = compute_table()
+        for i, t, dist, placements in zip(positions, tensors, dists, gathered):
+            full[i] = t if dist is None else rebuild(t, dist)
+            if placements is not None:
+                table[id(full[i])] = placements
         args, kwargs = tree.unflatten(in_spec, full)
         patterns = LinearCrossEntropyMode() if "linear_cross_entropy" in kernels else contextlib.nullcontext()
         with GuardMode(api), CudnnRnnGuard(api), SourceMode(api), patterns:
             out = fn(*bound, *args, **kwargs)
-        out_leaves, result["spec"] = tree.flatten(out)
+            out_leaves, result["spec"] = tree.flatten(out)
+            targets = (out_layout or matching_layout(leaves, in_spec))(out)
+            out_leaves, result["dists"] = _local_outputs(out_leaves, targets)
         result["leaves"] = out_leaves
         return [leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor)]
 
     return flat_fn, result
+
+
+def _local_outputs(out_leaves: list[Any], targets: list[Any]) -> tuple[list[Any], list[DistInfo | None]]:
+    """DTensor outputs laid out as ``targets`` says, as local shards; their layouts."""
+    shards: list[Any] = []
+    dists: list[DistInfo | None] = []
+    for leaf, target in zip(out_leaves, targets):
+        if not is_dtensor(leaf):
+            shards.append(leaf)
+            dists.append(None)
+            continue
+        if tuple(leaf.placements) != tuple(target):
+            leaf = leaf.redistribute(leaf.device_mesh, target)
+        shards.append(leaf.to_local())
+        dists.append(dist_info(leaf))
+    return shards, dists
 
 
 class _Replay(torch.fx.Interpreter):
@@ -234,13 +281,15 @@ def _check_outputs(api: str, spec: tree.PyTreeSpec, leaves: list[Any]) -> None:
             )
 
 
-def _output_infos(spec: tree.PyTreeSpec, leaves: list[Any], gm: torch.fx.GraphModule) -> list[LeafInfo]:
+def _output_infos(
+    spec: tree.PyTreeSpec, leaves: list[Any], dists: list[DistInfo | None], gm: torch.fx.GraphModule
+) -> list[LeafInfo]:
     values = returned(gm.graph)
     infos, index = [], 0
-    for leaf, path in zip(leaves, tree.paths(spec, prefix="result")):
+    for leaf, dist, path in zip(leaves, dists, tree.paths(spec, prefix="result")):
         if isinstance(leaf, torch.Tensor):
             val = values[index].meta["val"]
-            infos.append(LeafInfo(path, index, tuple(val.shape), val.dtype, val.device))
+            infos.append(LeafInfo(path, index, tuple(val.shape), val.dtype, val.device, dist=dist))
             index += 1
         else:
             infos.append(LeafInfo(path, None, value=leaf))

@@ -138,25 +138,59 @@ def grads_are_sharded_and_averaged_over_ranks(rank: int, mesh) -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
-@_check
-def static_step_over_fsdp_params_raises_unsupported(rank: int, mesh) -> None:
-    """Until sg.shard, DTensor inputs to sg.static are refused at trace time (never fake results)."""
-    apply, params, buffers = sg.functional(_sharded(_reference(), mesh))
-    opt = sg.optim.sgd(0.1)
+def _fsdp2_eager_losses(reference: nn.Module, mesh, batches: list[torch.Tensor], rank: int):
+    """The FSDP2 training loop itself: forward, backward, torch.optim.SGD."""
+    model = _sharded(reference, mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x in batches:
+        loss = model(_local(x, rank)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses, {k: p.full_tensor() for k, p in model.named_parameters()}
 
+
+def _sgd_step(apply, buffers, opt):
     def step(params, opt_state, x):
         loss, grads = sg.value_and_grad(lambda p: apply(p, buffers, x).square().mean())(params)
         updates, opt_state = opt.update(grads, opt_state, params)
         return sg.optim.apply_updates(params, updates), opt_state, loss
 
-    x = _local(_batch(), rank)
+    return step
+
+
+@_check
+def static_step_over_fsdp2_model_matches_fsdp2_training(rank: int, mesh) -> None:
+    """No spec: placements come from the DTensor params; hooks are not run; with donation
+    the model's own parameters are trained in place, so its state_dict follows."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    batches = [torch.randn(WORLD * ROWS, 4, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    want_losses, want = _fsdp2_eager_losses(_reference(), mesh, batches, rank)
+    opt = sg.optim.sgd(0.1)
     for donate in ((), ("params", "opt_state")):
-        try:
-            sg.static(step, donate=donate)(params, opt.init(params), x)
-        except sg.UnsupportedError as e:
-            assert "params['0.bias'] is a DTensor" in str(e), str(e)
-        else:
-            raise AssertionError(f"no UnsupportedError with donate={donate}")
+        model = _sharded(_reference(), mesh)
+        calls = _with_user_hooks(model)
+        apply, params, buffers = sg.functional(model)
+        before = {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+        step = sg.static(_sgd_step(apply, buffers, opt), donate=donate)
+        state = opt.init(params)
+        for x, want_loss in zip(batches, want_losses):
+            params, state, loss = step(params, state, _local(x, rank))
+            torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-7)
+        assert step.trace_count == 1 and calls == ["pre 0", "post 0", "pre 3", "post 3"], (step.trace_count, calls)
+        for k, v in want.items():
+            assert isinstance(params[k], DTensor) and params[k].placements == (Shard(0),), k
+            torch.testing.assert_close(params[k].full_tensor(), v, rtol=1e-5, atol=1e-6)
+        trained = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        for k in want:
+            expected = want[k] if donate else before[k]
+            torch.testing.assert_close(trained[k], expected, rtol=1e-5, atol=1e-6)
+        out = model(_local(batches[0], rank))  # FSDP2's own forward still works on the model
+        assert out.shape == (ROWS, 5)
 
 
 @_check

@@ -1,0 +1,186 @@
+"""Before a sharded step's first collective, its ranks agree on what they run.
+
+Ranks that compiled different programs (other shapes, other code, other control
+flow) would issue different collectives and wait on each other forever. So on its
+first call each rank publishes a hash of its program's inputs and collectives (the
+rest may differ by rank: each rank slices its own shard), and checksums of the inputs
+it holds as replicated, through the process group's store, and waits (with a
+timeout) for all the others. A difference raises on every rank, naming it; a rank
+that never arrives is named when the timeout ends.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
+import torch.fx
+
+from .capture import SOURCE_KEY
+from .dtensors import is_dtensor
+from .errors import CaptureError
+from .passes.shard.collectives import collectives
+from .program import Program
+from .text import describe_tensor
+
+__all__ = ["agree", "DEFAULT_TIMEOUT"]
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+_ROUNDS: dict[str, int] = {}
+
+
+def agree(program: Program, tensors: Sequence[torch.Tensor], timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
+    """Raise on every rank unless all ranks compiled the same program and hold the
+    same values where they hold replicated inputs.
+
+    Args:
+        program: this rank's lowered program.
+        tensors: the first call's tensor leaves (DTensors included).
+        timeout: how long to wait for the other ranks.
+
+    Raises:
+        CaptureError: the programs or the replicated inputs differ between ranks, or a
+            rank did not arrive within ``timeout``.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return
+    store = dist.distributed_c10d._get_default_store()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    prefix = f"sgraph/agree/{program.name}/{_next_round(program.name)}"
+    mine = {"hash": _hash(program), "inputs": _input_lines(program), "replicated": _checksums(program, tensors)}
+    store.set(f"{prefix}/{rank}", json.dumps(mine))
+    everyone = _gather(store, prefix, world, timeout, program.name)
+    message = _difference(program.name, everyone)
+    if message is None:
+        return
+    store.set(f"{prefix}/code/{rank}", "\n".join(_collective_lines(program)))
+    codes = _gather(store, f"{prefix}/code", world, timeout, program.name, decode=False)
+    raise CaptureError(message + _code_difference(everyone, codes))
+
+
+def _next_round(name: str) -> int:
+    _ROUNDS[name] = _ROUNDS.get(name, 0) + 1
+    return _ROUNDS[name]
+
+
+def _hash(program: Program) -> str:
+    text = "\n".join(_input_lines(program) + _collective_lines(program))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _collective_lines(program: Program) -> list[str]:
+    """The collectives in order: kind, group size and the shapes each rank sends and gets
+    (not the group's name: the ranks of each row of a 2-D mesh have groups of their own)."""
+    lines = []
+    for c in collectives(program.graph):
+        source = c.node.meta.get(SOURCE_KEY)
+        where = f" at {source.short()}" if source is not None else ""
+        shapes = [_shape(a) for a in (c.node.args[0], c.node)]
+        lines.append(f"{c.kind} over {c.size} ranks: {shapes[0]} -> {shapes[1]}{where}")
+    return lines
+
+
+def _shape(value: Any) -> str:
+    val = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
+    if isinstance(val, torch.Tensor):
+        return describe_tensor(val.dtype, tuple(val.shape))
+    return "?"
+
+
+def _input_lines(program: Program) -> list[str]:
+    """Each input; a DTensor by its global shape (uneven shards differ by rank)."""
+    return [
+        f"{leaf.path}: {leaf.dtype} {leaf.dist.describe()}"
+        if leaf.dist is not None
+        else f"{leaf.path}: {leaf.describe()}"
+        for leaf in program.inputs
+    ]
+
+
+def _checksums(program: Program, tensors: Sequence[torch.Tensor]) -> dict[str, str]:
+    """The bits of a few sums of each input every rank holds whole (replicated DTensors)."""
+    found = {}
+    for leaf, t in zip(program.tensor_inputs, cast(Sequence[Any], tensors)):
+        if not is_dtensor(t) or any(p.is_shard() or p.is_partial() for p in t.placements):
+            continue
+        x = t._local_tensor.detach()
+        if x.is_floating_point() or x.is_complex():
+            x = x.double()
+        else:
+            x = x.long()
+        found[leaf.path] = repr((x.sum().item(), x.abs().sum().item()))
+    return found
+
+
+def _gather(
+    store: Any, prefix: str, world: int, timeout: datetime.timedelta, name: str, *, decode: bool = True
+) -> list[Any]:
+    keys = [f"{prefix}/{r}" for r in range(world)]
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        try:
+            store.wait(keys, datetime.timedelta(seconds=max(1.0, min(10.0, deadline - time.monotonic()))))
+            break
+        except RuntimeError:  # the store's timeout: name who is missing, once the deadline passes
+            if time.monotonic() >= deadline:
+                missing = [r for r, k in enumerate(keys) if not store.check([k])]
+                raise CaptureError(
+                    f"{name}: ranks {missing} did not reach this step's first call within "
+                    f"{timeout.total_seconds():.0f} s, so its collectives would hang. Every rank must call "
+                    "the sharded step the same number of times, with the same signature."
+                ) from None
+    values = [store.get(k).decode() for k in keys]
+    return [json.loads(v) for v in values] if decode else values
+
+
+def _difference(name: str, everyone: list[dict[str, Any]]) -> str | None:
+    first = everyone[0]
+    for rank, other in enumerate(everyone):
+        if other["hash"] != first["hash"]:
+            lines = _first_different(first["inputs"], other["inputs"])
+            where = (
+                f" First difference in the inputs: rank 0 has {lines[0]!r}, rank {rank} has {lines[1]!r}."
+                if lines
+                else ""
+            )
+            return (
+                f"{name}: rank 0 and rank {rank} compiled different programs, so their collectives would not "
+                f"match and the step would hang.{where} Every rank must trace the step with the same shapes "
+                "and the same code path."
+            )
+    for rank, other in enumerate(everyone):
+        for path, value in first["replicated"].items():
+            if other["replicated"].get(path) != value:
+                return (
+                    f"{name}: {path} is replicated (the same on every rank) by its spec, but rank {rank} holds "
+                    "other values than rank 0. Give it a spec that shards it (a per-rank batch: "
+                    "batch=sg.P('dp')), or pass the same values on every rank."
+                )
+    return None
+
+
+def _code_difference(everyone: list[dict[str, Any]], codes: list[str]) -> str:
+    first = everyone[0]["hash"]
+    rank = next((r for r, e in enumerate(everyone) if e["hash"] != first), None)
+    if rank is None:
+        return ""
+    lines = _first_different(codes[0].splitlines(), codes[rank].splitlines())
+    if not lines:
+        return ""
+    return f" First differing collective: rank 0 runs {lines[0]!r}, rank {rank} runs {lines[1]!r}."
+
+
+def _first_different(a: Sequence[str], b: Sequence[str]) -> tuple[str, str] | None:
+    for x, y in zip(a, b):
+        if x != y:
+            return x, y
+    if len(a) != len(b):
+        return (a[len(b)] if len(a) > len(b) else "<end>", b[len(a)] if len(b) > len(a) else "<end>")
+    return None

@@ -1,0 +1,286 @@
+"""sg.shard on 2 and 4 CPU processes over gloo: every strategy against one process.
+
+Each world size is one spawn (starting processes costs seconds); each check's result
+per rank is then one pytest test. The reference is the same step run by one process
+on the global batch, without sgraph; rank r holds rows [ROWS r, ROWS (r + 1)) of
+it. fp32 throughout: results agree to rtol 1e-5 (sums over ranks add in another
+order than one process does).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import sgraph as sg
+from sgraph._src.passes.shard.collectives import collectives
+
+ROWS = 3  # per data-parallel rank
+STEPS = 10
+TP = {"0": "colwise", "2": "rowwise"}
+
+_CHECKS: dict[str, Callable[[int, int], None]] = {}
+
+
+def _check(fn: Callable[[int, int], None]) -> Callable[[int, int], None]:
+    _CHECKS[fn.__name__] = fn
+    return fn
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def _model() -> nn.Module:
+    """Widths divide by 2 and 4 for TP; the last layer's 6 rows shard unevenly over 4."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 6))
+
+
+def _batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    rows = world * ROWS
+    return [(torch.randn(rows, 4, generator=g), torch.randn(rows, 6, generator=g)) for _ in range(STEPS)]
+
+
+def _rows(batch: tuple[torch.Tensor, torch.Tensor], rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(t[rank * ROWS : (rank + 1) * ROWS] for t in batch)  # type: ignore[return-value]
+
+
+OPT = sg.optim.adamw(1e-2, weight_decay=0.1)
+
+
+def _step_for(apply, buffers):
+    def step(params, opt_state, batch):
+        x, y = batch
+        loss, grads = sg.value_and_grad(lambda p: (apply(p, buffers, x) - y).square().mean())(params)
+        updates, opt_state = OPT.update(grads, opt_state, params)
+        return sg.optim.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def _reference(world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    apply, params, buffers = sg.functional(_model())
+    step = _step_for(apply, buffers)
+    state = OPT.init(params)
+    losses = []
+    for batch in _batches(world):
+        params, state, loss = step(params, state, batch)
+        losses.append(loss.item())
+    return losses, params
+
+
+def _full(x):
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
+def _train(world: int, rank: int, mesh, spec, *, params=None, batch_of=None, donate=True):
+    """10 steps of the sharded static step; returns (losses, final params, the lowered step)."""
+    apply, full_params, buffers = sg.functional(_model())
+    params = sg.distribute(full_params, mesh, spec) if params is None else params
+    step = sg.static(donate=("params", "opt_state") if donate else ())(
+        sg.shard(mesh, params=spec, batch=sg.P("dp") if "dp" in mesh.mesh_dim_names else None)(
+            _step_for(apply, buffers)
+        )
+    )
+    state = OPT.init(params)
+    batch_of = batch_of or (lambda b: _rows(b, mesh.get_local_rank("dp")) if "dp" in mesh.mesh_dim_names else b)
+    lowered = step.lower(params, state, batch_of(_batches(world)[0]))
+    losses = []
+    for batch in _batches(world):
+        params, state, loss = step(params, state, batch_of(batch))
+        losses.append(_full(loss).item())
+    assert step.trace_count == 2, step.trace_count  # .lower, then the first call: no retrace
+    return losses, params, lowered
+
+
+def _assert_matches(world: int, losses, params) -> None:
+    want_losses, want = _reference(world)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-7)
+    for k, v in want.items():
+        assert type(params[k]).__name__ == "DTensor", k
+        torch.testing.assert_close(params[k].full_tensor(), v, rtol=1e-5, atol=1e-6)
+
+
+def _counts(lowered) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for c in collectives(lowered.program.graph):
+        found[c.kind] = found.get(c.kind, 0) + 1
+    return found
+
+
+# --------------------------------------------------------------------------- checks
+
+
+@_check
+def ddp_matches_one_process(rank: int, world: int) -> None:
+    from torch.distributed.tensor import Replicate
+
+    mesh = sg.mesh(dp=world)
+    losses, params, lowered = _train(world, rank, mesh, sg.ddp("dp"))
+    _assert_matches(world, losses, params)
+    assert all(p.placements == (Replicate(),) for p in params.values())
+    # one all-reduce per gradient (4) and one for the loss's mean over ranks
+    assert _counts(lowered) == {"all_reduce": 5}, _counts(lowered)
+
+
+@_check
+def fsdp_matches_one_process(rank: int, world: int) -> None:
+    from torch.distributed.tensor import Shard
+
+    mesh = sg.mesh(dp=world)
+    losses, params, lowered = _train(world, rank, mesh, sg.fsdp("dp"))
+    _assert_matches(world, losses, params)
+    assert all(p.placements == (Shard(0),) for p in params.values())
+    # each parameter gathered for the forward (and the backward reuses it), its
+    # gradient reduce-scattered; the loss all-reduced
+    counts = _counts(lowered)
+    assert counts.get("reduce_scatter") == 4 and counts.get("all_reduce") == 1, counts
+    assert counts.get("all_gather", 0) >= 4, counts
+
+
+@_check
+def tp_matches_one_process(rank: int, world: int) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = sg.mesh(tp=world)
+    losses, params, lowered = _train(world, rank, mesh, sg.tp(TP, axis="tp"))
+    _assert_matches(world, losses, params)
+    assert params["0.weight"].placements == (Shard(0),) and params["2.weight"].placements == (Shard(1),)
+    assert params["2.bias"].placements == (Replicate(),)
+    assert _counts(lowered).get("all_reduce", 0) >= 1, _counts(lowered)
+
+
+@_check
+def fsdp_times_tp_matches_one_process(rank: int, world: int) -> None:
+    if world < 4:
+        return
+    mesh = sg.mesh(dp=2, tp=world // 2)
+    spec = sg.fsdp("dp") + sg.tp(TP, axis="tp")
+    losses, params, lowered = _train(world // 2, rank, mesh, spec)
+    _assert_matches(world // 2, losses, params)
+    counts = _counts(lowered)
+    assert counts.get("all_gather", 0) >= 4 and counts.get("reduce_scatter", 0) >= 4, counts
+
+
+@_check
+def plain_step_without_static_matches(rank: int, world: int) -> None:
+    """sg.shard alone (no graph) runs the same traced program."""
+    mesh = sg.mesh(dp=world)
+    apply, full, buffers = sg.functional(_model())
+    step = sg.shard(mesh, params=sg.fsdp("dp"), batch=sg.P("dp"))(_step_for(apply, buffers))
+    params = sg.distribute(full, mesh, sg.fsdp("dp"))
+    state = OPT.init(params)
+    losses = []
+    for batch in _batches(world):
+        params, state, loss = step(params, state, _rows(batch, rank))
+        losses.append(_full(loss).item())
+    _assert_matches(world, losses, params)
+
+
+@_check
+def program_mismatch_raises_on_every_rank(rank: int, world: int) -> None:
+    mesh = sg.mesh(dp=world)
+    apply, full, buffers = sg.functional(_model())
+    step = sg.static(sg.shard(mesh, params=sg.ddp("dp"), batch=sg.P("dp"))(_step_for(apply, buffers)))
+    x, y = _batches(world)[0]
+    rows = ROWS + (rank == 1)  # rank 1 traces another batch shape
+    with pytest.raises(sg.CaptureError, match=r"rank 0 and rank 1 compiled different programs.*batch\[0\]"):
+        step(full, OPT.init(full), (x[:rows], y[:rows]))
+
+
+@_check
+def replicated_input_that_differs_raises(rank: int, world: int) -> None:
+    mesh = sg.mesh(dp=world)
+    apply, full, buffers = sg.functional(_model())
+    step = sg.static(sg.shard(mesh, params=sg.ddp("dp"))(_step_for(apply, buffers)))  # no batch spec
+    batch = _rows(_batches(world)[0], rank)  # but each rank passes its own rows
+    with pytest.raises(sg.CaptureError, match=r"batch\[0\] is replicated .* rank 1 holds other values"):
+        step(full, OPT.init(full), batch)
+
+
+@_check
+def wrong_specs_raise_naming_the_path(rank: int, world: int) -> None:
+    mesh = sg.mesh(dp=world)
+    apply, full, buffers = sg.functional(_model())
+    step = _step_for(apply, buffers)
+    with pytest.raises(sg.ArgumentError, match=r"params\['0'\]: sg.fsdp\('dq'\) names mesh axis 'dq'.*'dp'"):
+        sg.shard(mesh, params={"0": sg.fsdp("dq")})(step)
+    with pytest.raises(sg.ArgumentError, match=r"batchh= names no parameter of the step.*Did you mean batch="):
+        sg.shard(mesh, batchh=sg.P("dp"))(step)
+    with pytest.raises(sg.ArgumentError, match=rf"value\['w'\] has size 5 in dim 0, which sg.P\('dp'\) splits {world}"):
+        sg.distribute({"w": torch.ones(5)}, mesh, sg.P("dp"))
+    with pytest.raises(
+        sg.ArgumentError, match=r"value\['w'\] has 1 dims, but its spec sg.P\(None, 'dp'\) splits dim 1"
+    ):
+        sg.distribute({"w": torch.ones(4)}, mesh, sg.P(None, "dp"))
+    placed = sg.static(sg.shard(mesh, params=sg.fsdp("dp"))(step))
+    with pytest.raises(
+        sg.ArgumentError, match=r"params\['0.bias'\] is a DTensor placed \(Replicate\(\),\).*asks \(Shard"
+    ):
+        placed(sg.distribute(full, mesh), None, _rows(_batches(world)[0], rank))
+    with pytest.raises(sg.ArgumentError, match=r"the spec for params is not a prefix"):
+        sg.static(sg.shard(mesh, params=[sg.P()])(step))(full, OPT.init(full), _rows(_batches(world)[0], rank))
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    results = {}
+    for name, check in _CHECKS.items():
+        try:
+            check(rank, world)
+            results[name] = ""
+        except (Exception, pytest.fail.Exception):  # recorded, reported by the test of that check
+            results[name] = traceback.format_exc()
+        dist.barrier()
+    dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(world: int, out_dir: Path) -> list[dict[str, str]]:
+    context = mp.spawn(_worker, args=(world, _free_port(), str(out_dir)), nprocs=world, join=False)
+    deadline = time.monotonic() + 240
+    while not context.join(timeout=2):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {world} worker processes did not finish within 240 s")
+    return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def results(request, tmp_path_factory) -> list[dict[str, str]]:
+    return _spawn(request.param, tmp_path_factory.mktemp(f"shard{request.param}"))
+
+
+@pytest.mark.parametrize("check", list(_CHECKS))
+def test_shard(results: list[dict[str, str]], check: str) -> None:
+    for rank, result in enumerate(results):
+        assert result[check] == "", f"rank {rank}:\n{result[check]}"
