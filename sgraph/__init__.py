@@ -24,6 +24,7 @@ from ._src.functional import functional
 from ._src.grad import grad, value_and_grad
 from ._src.passes.memory.analysis import MemoryAnalysis
 from ._src.passes.memory.plan import MemoryPlan
+from ._src.passes.shard.cost import CostAnalysis, Links
 from ._src.sharding import P, ddp, distribute, fsdp, mesh, replicate, tp
 from ._src.stages import Compiled, CompiledStats, Lowered, Traced
 
@@ -33,7 +34,9 @@ __all__ = [
     "UnsupportedError",
     "CaptureError",
     "Compiled",
+    "CostAnalysis",
     "CompiledStats",
+    "Links",
     "Lowered",
     "MemoryAnalysis",
     "MemoryPlan",

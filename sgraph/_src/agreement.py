@@ -30,11 +30,14 @@ from .text import describe_tensor
 
 __all__ = ["agree", "DEFAULT_TIMEOUT"]
 
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+DEFAULT_TIMEOUT = 300.0
+"""Seconds the ranks wait for each other at a sharded step's first call, by default."""
 _ROUNDS: dict[str, int] = {}
 
 
-def agree(program: Program, tensors: Sequence[torch.Tensor], timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
+def agree(
+    program: Program, tensors: Sequence[torch.Tensor], timeout: datetime.timedelta = datetime.timedelta(seconds=300)
+) -> None:
     """Raise on every rank unless all ranks compiled the same program and hold the
     same values where they hold replicated inputs.
 

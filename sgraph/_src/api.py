@@ -37,6 +37,7 @@ from .options import (
     check_patterns,
     check_unknown,
 )
+from .passes.shard.cost import Links
 from .sharding import Sharder, ShardOptions, check_specs, mesh_axes
 from .signature import Signature, signature_of
 from .stages import Compiled, Counters, Traced
@@ -528,7 +529,16 @@ def plan_memory(
     return wrap if fn is None else wrap(fn)
 
 
-def shard(mesh: Any, /, *, out: Any = None, **specs: Any) -> Callable[[Callable[..., Any]], Transformed]:
+def shard(
+    mesh: Any,
+    /,
+    *,
+    out: Any = None,
+    links: Links | None = None,
+    bucket_bytes: int | None = None,
+    timeout: float = 300.0,
+    **specs: Any,
+) -> Callable[[Callable[..., Any]], Transformed]:
     """Run the step over a device mesh: the step is written for whole tensors, and its
     arguments are DTensors laid out as the specs say; DTensor's propagation turns the
     step into local ops and collectives, which the compiled program holds (and, under
@@ -539,6 +549,14 @@ def shard(mesh: Any, /, *, out: Any = None, **specs: Any) -> Callable[[Callable[
         out: specs for the step's result (a prefix of its structure); by default each
             DTensor output is laid out like the input it matches (new params like
             params, new optimizer state like the old), and sums over ranks are done.
+        links: the links between ranks (``sg.Links``: latency and bandwidth within and
+            between nodes) for ``Lowered.cost_analysis()`` and the bucket size.
+        bucket_bytes: merge small collectives into buckets of at most this many bytes;
+            by default the size at which a collective's latency costs about 10% of
+            its time on the slowest link, from ``links``.
+        timeout: seconds the ranks wait for each other to agree on the program at the
+            first call (collectives themselves time out as their process group says:
+            ``init_process_group(timeout=...)``).
         **specs: per argument name, a spec (``sg.P("dp")``, ``sg.fsdp("dp")``, ...) or a
             prefix tree of specs. A plain tensor is this rank's shard of the DTensor
             the spec describes (a replicated one must hold the same values on every
@@ -563,13 +581,26 @@ def shard(mesh: Any, /, *, out: Any = None, **specs: Any) -> Callable[[Callable[
         base = f.fn if isinstance(f, Transformed) else f
         api = f"sg.shard({_name(base)})"
         mesh_axes(mesh, api)
+        _check_shard_options(api, links, bucket_bytes, timeout)
         _check_spec_names(api, base, specs)
         for name, spec in [*specs.items(), ("out", out)]:
             check_specs(api, mesh, name if name != "out" else "out", spec)
         base, options = _unwrap(f, "shard")
-        return Transformed(base, options.with_shard(ShardOptions(mesh, tuple(specs.items()), out)))
+        record = ShardOptions(mesh, tuple(specs.items()), out, links, bucket_bytes, float(timeout))
+        return Transformed(base, options.with_shard(record))
 
     return wrap
+
+
+def _check_shard_options(api: str, links: Any, bucket_bytes: Any, timeout: Any) -> None:
+    if links is not None and not isinstance(links, Links):
+        raise ArgumentTypeError(f"{api}: links must be an sg.Links(...); found {links!r}.")
+    if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)):
+        raise ArgumentTypeError(f"{api}: bucket_bytes must be an int (0 turns bucketing off); found {bucket_bytes!r}.")
+    if bucket_bytes is not None and bucket_bytes < 0:
+        raise ArgumentError(f"{api}: bucket_bytes must be >= 0 (0 turns bucketing off); found {bucket_bytes}.")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ArgumentError(f"{api}: timeout must be a positive number of seconds; found {timeout!r}.")
 
 
 def _check_spec_names(api: str, fn: Callable[..., Any], specs: dict[str, Any]) -> None:

@@ -452,11 +452,15 @@ def fqns(value: Any) -> list[str]:
 class ShardOptions:
     """Options of ``sg.shard``; see its docstring. ``specs`` maps argument names to
     spec trees; ``out`` is a spec tree over the step's result (None: outputs follow
-    the inputs they match)."""
+    the inputs they match); ``links`` the cost model's links (None: the defaults);
+    ``bucket_bytes`` the bucket size (None: from the links); ``timeout`` seconds."""
 
     mesh: Any
     specs: tuple[tuple[str, Any], ...] = ()
     out: Any = None
+    links: Any = None  # a passes.shard.cost.Links
+    bucket_bytes: int | None = None
+    timeout: float = 300.0
 
 
 def check_specs(api: str, device_mesh: Any, name: str, spec: Any) -> None:

@@ -7,6 +7,7 @@ the passes; ``Compiled`` an executable for it, callable with the same arguments.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import html
 import time
 from collections.abc import Callable, Sequence
@@ -16,7 +17,7 @@ from typing import Any, cast
 import torch
 
 from . import tree
-from .agreement import agree
+from .agreement import DEFAULT_TIMEOUT, agree
 from .aliasing import AliasGuard, extent
 from .argtree import ArgFlattener
 from .dtensors import dist_info, is_dtensor, local, wrap
@@ -26,6 +27,7 @@ from .options import Options
 from .passes.memory.analysis import MemoryAnalysis, memory_analysis
 from .passes.memory.plan import MemoryPlan
 from .passes.pipeline import lower as run_passes
+from .passes.shard.cost import CostAnalysis, Links, cost_analysis
 from .program import Program, compute_ops
 from .runtime.eager import EagerExecutable
 from .signature import Signature, signature_of
@@ -182,6 +184,18 @@ class Lowered(_Stage):
             self._memory = memory_analysis(self.program)
         return self._memory
 
+    def cost_analysis(self, links: Links | None = None) -> CostAnalysis:
+        """What one run costs each rank: its predicted peak memory and, per collective,
+        the bytes it moves and its time under an alpha-beta model of the links (``links``,
+        else ``sg.shard``'s, else H200 nodes of 8; see :class:`sg.Links`).
+
+        Example:
+            >>> print(train_step.lower(params, opt_state, batch).cost_analysis())
+        """
+        shard = self.traced.options.shard
+        chosen = links or (shard.links if shard is not None else None)
+        return cost_analysis(self.program, chosen, self.memory_analysis())
+
     @property
     def memory_plan(self) -> MemoryPlan | None:
         """What ``sg.plan_memory`` decided for this step (None without it).
@@ -271,7 +285,9 @@ class Compiled(_Stage):
         """DTensors in as local shards, out as DTensors (a donated input's own object
         where its output was written into it)."""
         if self.calls == 0:
-            agree(self.program, tensors)  # before the first collective: a mismatch would hang
+            shard = self.lowered.traced.options.shard
+            timeout = datetime.timedelta(seconds=shard.timeout if shard is not None else DEFAULT_TIMEOUT)
+            agree(self.program, tensors, timeout)  # before the first collective: a mismatch would hang
         outputs = self.executable(self.alias.prepare([local(t) for t in tensors]))
         self.calls += 1
         wrapped = wrap(outputs, self._out_dists)

@@ -1,0 +1,111 @@
+"""sg.shard in one process: a fake process group of 1024 ranks traces and lowers a
+sharded step (nothing runs), and the spec language's errors. Parity over real
+processes is in tests/distributed/test_shard.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import sgraph as sg
+from sgraph._src.passes.shard.collectives import collectives
+
+DP, TP = 128, 8
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process; the fake 1024-rank one cannot be made")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=DP * TP)
+    try:
+        yield sg.mesh(dp=DP, tp=TP, device_type="cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 1024), nn.ReLU(), nn.Linear(1024, 128))
+    apply, params, buffers = sg.functional(model)
+    opt = sg.optim.adamw(1e-3)
+
+    def step(params, opt_state, batch):
+        x, y = batch
+        loss, grads = sg.value_and_grad(lambda p: (apply(p, buffers, x) - y).square().mean())(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return sg.optim.apply_updates(params, updates), opt_state, loss
+
+    return step, params, opt
+
+
+SPEC = sg.fsdp("dp") + sg.tp({"0": "colwise", "2": "rowwise"})
+
+
+def test_a_1024_rank_fsdp_times_tp_step_traces_and_lowers_in_seconds(mesh) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    step, full, opt = _setup()
+    params = sg.distribute(full, mesh, SPEC)
+    assert params["0.weight"].placements == (Shard(1), Shard(0))  # TP splits rows, FSDP the free dim
+    assert params["2.weight"].placements == (Shard(0), Shard(1))
+    assert params["2.bias"].placements == (Shard(0), Replicate())
+    sharded = sg.static(donate=("params", "opt_state"))(sg.shard(mesh, params=SPEC, batch=sg.P("dp"))(step))
+    batch = (torch.randn(2, 128), torch.randn(2, 128))  # this rank's rows of a 256-row batch
+    start = time.perf_counter()
+    lowered = sharded.lower(params, opt.init(params), batch)
+    cost = lowered.cost_analysis()
+    seconds = time.perf_counter() - start
+    assert seconds < 30, seconds
+    found = [(c.kind, c.size) for c in collectives(lowered.program.graph)]
+    # FSDP over dp: the weights and the first bias gathered for compute, their gradients
+    # reduce-scattered back (the last bias, split over dp only, is computed in shards:
+    # its gradient is summed over dp); DTensor's propagation adds TP's collectives over
+    # tp; the loss's mean is summed over both axes
+    assert found.count(("all_gather", DP)) == 3 and found.count(("reduce_scatter", DP)) == 3, found
+    assert ("all_reduce", DP) in found and ("all_reduce", TP) in found, found
+    assert any(size == TP for _, size in found), found
+    assert sum(cost.counts.values()) == len(found)
+    links = {(row.size, row.link) for row in cost.collectives}
+    assert (DP, "inter-node") in links and (TP, "intra-node") in links, links
+    assert cost.as_text().startswith(f"{lowered.program.name}: per rank, predicted peak memory")
+    text = lowered.as_text()
+    assert (
+        "f32[128, 1], shard of DTensor[Shard(1), Shard(0)] of global shape [1024, 128]  <- params['0.weight']" in text
+    )
+
+
+def test_spec_errors_name_the_path_and_the_fix(mesh) -> None:
+    step, full, opt = _setup()
+    with pytest.raises(sg.ArgumentError, match=r"params\['0'\]: sg.fsdp\('dq'\) names mesh axis 'dq'.*'dp', 'tp'"):
+        sg.shard(mesh, params={"0": sg.fsdp("dq")})(step)
+    with pytest.raises(sg.ArgumentError, match=r"batchh= names no parameter of the step.*Did you mean batch="):
+        sg.shard(mesh, batchh=sg.P("dp"))(step)
+    with pytest.raises(sg.ArgumentTypeError, match=r"params\['0'\] is 3, not a spec"):
+        sg.shard(mesh, params={"0": 3})(step)
+    with pytest.raises(sg.ArgumentError, match=r"axis 'dp' splits two dims"):
+        sg.P("dp", "dp")
+    with pytest.raises(sg.ArgumentError, match=r'"colwise" or "rowwise"'):
+        sg.tp({"fc": "columnwise"})
+    with pytest.raises(sg.ArgumentError, match=r"value\['w'\] has size 100 in dim 0, which sg.P\('dp'\) splits 128"):
+        sg.distribute({"w": torch.ones(100)}, mesh, sg.P("dp"))
+    with pytest.raises(sg.ArgumentError, match=r"the spec for params is not a prefix"):
+        sg.shard(mesh, params=[sg.P()])(step).lower(full, opt.init(full), (torch.ones(2, 128), torch.ones(2, 128)))
+    with pytest.raises(sg.ArgumentError, match=r"axis sizes \{'dp': 2\} make 2 ranks, but the world has 1024"):
+        sg.mesh(dp=2)
+    with pytest.raises(sg.ArgumentError, match=r"bucket_bytes must be >= 0"):
+        sg.shard(mesh, bucket_bytes=-1)(step)
+
+
+def test_the_same_step_without_a_spec_replicates_plain_tensors(mesh) -> None:
+    """A replicated step on 1024 ranks: no collective but the loss's (all ranks hold
+    the same batch, so its mean needs no sum) and none for the params."""
+    step, full, opt = _setup()
+    lowered = sg.shard(mesh)(step).lower(full, opt.init(full), (torch.randn(2, 128), torch.randn(2, 128)))
+    assert collectives(lowered.program.graph) == []
