@@ -1,14 +1,17 @@
 """The one place that orders the passes.
 
 Whatever order the user stacks the decorators in, a step is lowered the same way:
-kernel fixes (replay), cleanup and algebraic folds, then (as they land) sharding,
-memory planning (optimizer updates scheduled as gradients finish where that
+kernel fixes (replay), cleanup and algebraic folds, then communication (for a step
+over DTensors: collectives of one rank elided, small ones bucketed, issues moved up
+and waits down to overlap compute), memory planning (optimizer updates scheduled as gradients finish where that
 lowers the predicted peak, then rematerialization), then donation, which must see the final outputs, then
 reinplacing, which makes the graph write donated outputs straight into their inputs
 and so must come last.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from ..options import Options
 from ..program import Program
@@ -19,6 +22,11 @@ from .memory.plan import device_budget, plan_memory
 from .memory.schedule import schedule
 from .reinplace import reinplace
 from .replay import replay
+from .shard.bucketing import bucket, default_bucket_bytes
+from .shard.collectives import collectives, group_ranks
+from .shard.cost import Links
+from .shard.overlap import overlap
+from .shard.trivial import elide_trivial
 from .simplify import simplify
 
 __all__ = ["lower"]
@@ -32,10 +40,28 @@ def lower(program: Program, options: Options) -> Program:
         ('replay', 'cleanup', 'simplify', 'donation', 'reinplace')
     """
     program = simplify(cleanup(replay(program)))
+    if collectives(program.graph):
+        program = _communication(program, options)
     if options.memory is not None:
         program = _planned(program, options)
     program = donation(program)
     return reinplace(program)
+
+
+def _communication(program: Program, options: Options) -> Program:
+    program = elide_trivial(program)
+    shard = options.shard
+    size = shard.bucket_bytes if shard is not None and shard.bucket_bytes is not None else _bucket_bytes(program, shard)
+    if size and collectives(program.graph):
+        program = bucket(program, size)
+    return overlap(program)
+
+
+def _bucket_bytes(program: Program, shard: Any) -> int:
+    """The default bucket: latency a tenth of a collective's time on the slowest link used."""
+    links = shard.links if shard is not None and shard.links is not None else Links()
+    classes = {links.link(group_ranks(c.group)) for c in collectives(program.graph)}
+    return default_bucket_bytes(*links.alpha_bandwidth("inter-node" if "inter-node" in classes else "intra-node"))
 
 
 def _planned(program: Program, options: Options) -> Program:

@@ -113,9 +113,9 @@ def _assert_matches(world: int, losses, params) -> None:
         torch.testing.assert_close(params[k].full_tensor(), v, rtol=1e-5, atol=1e-6)
 
 
-def _counts(lowered) -> dict[str, int]:
+def _counts(stage) -> dict[str, int]:
     found: dict[str, int] = {}
-    for c in collectives(lowered.program.graph):
+    for c in collectives(stage.program.graph):
         found[c.kind] = found.get(c.kind, 0) + 1
     return found
 
@@ -131,8 +131,10 @@ def ddp_matches_one_process(rank: int, world: int) -> None:
     losses, params, lowered = _train(world, rank, mesh, sg.ddp("dp"))
     _assert_matches(world, losses, params)
     assert all(p.placements == (Replicate(),) for p in params.values())
-    # one all-reduce per gradient (4) and one for the loss's mean over ranks
-    assert _counts(lowered) == {"all_reduce": 5}, _counts(lowered)
+    # traced: one all-reduce per gradient (4) and one for the loss's mean over ranks;
+    # bucketed: the gradients' sums in one, the loss's mean (another op) apart
+    assert _counts(lowered.traced) == {"all_reduce": 5}, _counts(lowered.traced)
+    assert _counts(lowered) == {"all_reduce": 2}, _counts(lowered)
 
 
 @_check
@@ -143,11 +145,12 @@ def fsdp_matches_one_process(rank: int, world: int) -> None:
     losses, params, lowered = _train(world, rank, mesh, sg.fsdp("dp"))
     _assert_matches(world, losses, params)
     assert all(p.placements == (Shard(0),) for p in params.values())
-    # each parameter gathered for the forward (and the backward reuses it), its
-    # gradient reduce-scattered; the loss all-reduced
-    counts = _counts(lowered)
-    assert counts.get("reduce_scatter") == 4 and counts.get("all_reduce") == 1, counts
-    assert counts.get("all_gather", 0) >= 4, counts
+    # traced: each parameter gathered for the forward (the backward reuses it), its
+    # gradient reduce-scattered, the loss all-reduced; bucketed: one of each (the
+    # gradients' reduce-scatters are independent of each other, as are the gathers)
+    counts = _counts(lowered.traced)
+    assert counts == {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 1}, counts
+    assert _counts(lowered) == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}, _counts(lowered)
 
 
 @_check
@@ -170,8 +173,9 @@ def fsdp_times_tp_matches_one_process(rank: int, world: int) -> None:
     spec = sg.fsdp("dp") + sg.tp(TP, axis="tp")
     losses, params, lowered = _train(world // 2, rank, mesh, spec)
     _assert_matches(world // 2, losses, params)
-    counts = _counts(lowered)
-    assert counts.get("all_gather", 0) >= 4 and counts.get("reduce_scatter", 0) >= 4, counts
+    traced, counts = _counts(lowered.traced), _counts(lowered)
+    assert traced.get("all_gather", 0) >= 4 and traced.get("reduce_scatter", 0) >= 4, traced
+    assert sum(counts.values()) < sum(traced.values()), (traced, counts)  # bucketed
 
 
 @_check
