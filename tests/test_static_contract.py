@@ -90,12 +90,18 @@ def test_a_static_step_called_inside_another_is_part_of_it():
     assert inner.trace_count == 0 and outer.trace_count == 1
 
 
-def test_dtensor_inputs_raise_unsupported_saying_what_works(mesh):
-    from torch.distributed.tensor import Shard, distribute_tensor
+def test_dtensor_inputs_run_as_their_local_shards_and_come_back_as_dtensors(mesh):
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    w = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
-    with pytest.raises(sg.UnsupportedError, match=re.escape("params['w'] is a DTensor")):
-        sg.static(lambda params: {"w": params["w"] * 2})({"w": w})
+    w = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+    step = sg.static(lambda params: {"w": params["w"] * 2, "s": params["w"].sum()})
+    for _ in range(2):
+        out = step({"w": w})
+        assert isinstance(out["w"], DTensor) and out["w"].placements == (Shard(0),)
+        assert torch.equal(out["w"].full_tensor(), w.full_tensor() * 2)
+        assert torch.equal(out["s"].full_tensor(), w.full_tensor().sum())
+    assert step.trace_count == 1
+    assert "shard of DTensor[Shard(0)] of global shape [4, 2]  <- params['w']" in step.lower({"w": w}).as_text()
 
 
 # --------------------------------------------------------------------------- threads

@@ -215,7 +215,7 @@ def _flat_step(
                 table[id(full[i])] = placements
         args, kwargs = tree.unflatten(in_spec, full)
         patterns = LinearCrossEntropyMode() if "linear_cross_entropy" in kernels else contextlib.nullcontext()
-        with GuardMode(api), CudnnRnnGuard(api), SourceMode(api), patterns:
+        with GuardMode(api), CudnnRnnGuard(api), SourceMode(api), patterns, _replicated_constants(dists):
             out = fn(*bound, *args, **kwargs)
             out_leaves, result["spec"] = tree.flatten(out)
             targets = (out_layout or matching_layout(leaves, in_spec))(out)
@@ -224,6 +224,16 @@ def _flat_step(
         return [leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor)]
 
     return flat_fn, result
+
+
+def _replicated_constants(dists: Sequence[DistInfo | None]) -> Any:
+    """In a step over DTensors, a plain tensor the step makes itself (``torch.arange``
+    positions, a mask) is the same on every rank: it joins DTensor ops as replicated."""
+    if not any(d is not None for d in dists):
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    return implicit_replication()
 
 
 def _local_outputs(out_leaves: list[Any], targets: list[Any]) -> tuple[list[Any], list[DistInfo | None]]:
