@@ -508,17 +508,24 @@ class Sharder:
         self.specs = dict(options.specs)
         self.out = options.out
         self.names = tuple(names)
+        self._cache: dict[Any, list[Layout | None]] = {}
 
     def place(self, named: Sequence[tuple[str, Any]]) -> list[Any]:
-        """Each ``(argument name, value)`` with its plain tensors made DTensors."""
+        """Each ``(argument name, value)`` with its plain tensors made DTensors. Runs on
+        every call: an argument holding only DTensors costs a flatten; the layouts of
+        one holding plain tensors are computed once per structure and shapes."""
         from torch.distributed.tensor import DTensor
 
         placed = []
-        for _, value, layouts in self._layouts(named):
+        for name, value in named:
             leaves, treedef = tree.flatten(value)
             if not any(isinstance(x, torch.Tensor) and not _is_dtensor(x) for x in leaves):
                 placed.append(value)
                 continue
+            key = (name, treedef, tuple(_leaf_key(x) for x in leaves))
+            layouts = self._cache.get(key)
+            if layouts is None:
+                layouts = self._cache[key] = self._arg_layouts(name, value, named)
             out = [
                 DTensor.from_local(x, self.mesh, lay.stored, run_check=False)
                 if isinstance(x, torch.Tensor) and not _is_dtensor(x) and lay is not None
@@ -557,19 +564,17 @@ class Sharder:
         return targets
 
     def _layouts(self, named: Sequence[tuple[str, Any]]) -> list[tuple[str, Any, list[Layout | None]]]:
+        return [(name, value, self._arg_layouts(name, value, named)) for name, value in named]
+
+    def _arg_layouts(self, name: str, value: Any, named: Sequence[tuple[str, Any]]) -> list[Layout | None]:
+        if name in self.specs:
+            return self._of_spec(name, value, self.specs[name])
         params = dict(named).get("params")
         follow = self._param_layouts(params) if "params" in self.specs and params is not None else {}
-        result = []
-        for name, value in named:
-            if name in self.specs:
-                layouts = self._of_spec(name, value, self.specs[name])
-            else:
-                layouts = [
-                    _followed(fqn, leaf, follow) or (None if _is_dtensor(leaf) else self._replicated(leaf))
-                    for fqn, leaf in zip(fqns(value), tree.leaves(value))
-                ]
-            result.append((name, value, layouts))
-        return result
+        return [
+            _followed(fqn, leaf, follow) or (None if _is_dtensor(leaf) else self._replicated(leaf))
+            for fqn, leaf in zip(fqns(value), tree.leaves(value))
+        ]
 
     def _of_spec(self, name: str, value: Any, spec: Any) -> list[Layout | None]:
         specs = broadcast_specs(self.api, name, spec, value)
@@ -603,6 +608,12 @@ class Sharder:
                 "the spec says (x.redistribute(mesh, placements), or sg.distribute for full tensors), "
                 "or change the spec."
             )
+
+
+def _leaf_key(x: Any) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return None
+    return (_is_dtensor(x), tuple(_local_shape(x)), x.dtype)
 
 
 def _followed(fqn: str, leaf: Any, params: Mapping[str, tuple[tuple[int, ...], Layout | None]]) -> Layout | None:

@@ -158,7 +158,7 @@ def _placements(leaf: torch.Tensor) -> Any:
     spec = getattr(leaf, "_spec", None)
     if spec is None or not hasattr(spec, "placements"):
         return None
-    return (spec.mesh, tuple(spec.placements), cast("DTensor", leaf).to_local().stride())
+    return (spec.mesh, tuple(spec.placements), cast("DTensor", leaf)._local_tensor.stride())
 
 
 # --------------------------------------------------------------------------- messages

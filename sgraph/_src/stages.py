@@ -250,6 +250,8 @@ class Compiled(_Stage):
         self.alias = _alias_guard(self.program, traced)
         self._sharded = any(leaf.dist is not None for leaf in (*self.program.inputs, *outputs))
         self._out_dists = [o.dist for o in outputs if o.is_tensor]
+        self._out_specs: list[Any] = [None] * len(self._out_dists)
+        self._returned_inputs: dict[int, int] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, structure = ArgFlattener().flatten(args, kwargs)
@@ -288,13 +290,17 @@ class Compiled(_Stage):
             shard = self.lowered.traced.options.shard
             timeout = datetime.timedelta(seconds=shard.timeout if shard is not None else DEFAULT_TIMEOUT)
             agree(self.program, tensors, timeout)  # before the first collective: a mismatch would hang
+            self._returned_inputs = {
+                out: into
+                for out, into in self.program.aliases
+                if is_dtensor(tensors[into]) and self._out_dists[out] == dist_info(tensors[into])
+            }  # the signature fixes every later call's layouts: these hold for them too
         outputs = self.executable(self.alias.prepare([local(t) for t in tensors]))
         self.calls += 1
-        wrapped = wrap(outputs, self._out_dists)
-        for out, into in self.program.aliases:
-            if is_dtensor(tensors[into]) and self._out_dists[out] == dist_info(tensors[into]):
-                wrapped[out] = tensors[into]
-        result = [value if i is None else wrapped[i] for i, value in self._output_plan]
+        for out, into in self._returned_inputs.items():
+            outputs[out] = tensors[into]
+        wrap(outputs, self._out_dists, self._out_specs, skip=self._returned_inputs)
+        result = [value if i is None else outputs[i] for i, value in self._output_plan]
         return tree.unflatten(self.program.out_spec, result)
 
     @property

@@ -201,6 +201,26 @@ def plain_step_without_static_matches(rank: int, world: int) -> None:
 
 
 @_check
+def fused_fsdp_matches_one_process(rank: int, world: int) -> None:
+    """sg.fuse lowers the collectives with the rest (Inductor's C++ here); 2 ranks only:
+    a compile costs tens of seconds on this CPU."""
+    if world != 2:
+        return
+    mesh = sg.mesh(dp=world)
+    apply, full, buffers = sg.functional(_model())
+    sharded = sg.shard(mesh, params=sg.fsdp("dp"), batch=sg.P("dp"))(_step_for(apply, buffers))
+    step = sg.static(donate=("params", "opt_state"))(sg.fuse(sharded))
+    params = sg.distribute(full, mesh, sg.fsdp("dp"))
+    state = OPT.init(params)
+    losses = []
+    for batch in _batches(world):
+        params, state, loss = step(params, state, _rows(batch, rank))
+        losses.append(_full(loss).item())
+    assert step.last_compiled.stats.runtime == "inductor", step.last_compiled.stats
+    _assert_matches(world, losses, params)
+
+
+@_check
 def program_mismatch_raises_on_every_rank(rank: int, world: int) -> None:
     if world < 2:
         return
