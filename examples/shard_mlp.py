@@ -19,7 +19,8 @@ import sgraph as sg
 GLOBAL_BATCH, STEPS = 64, 30
 
 if "RANK" not in os.environ:  # started without torchrun: a group of one process
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512")
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29512")
 dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 if torch.cuda.is_available():

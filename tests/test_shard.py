@@ -72,7 +72,9 @@ def test_a_1024_rank_fsdp_times_tp_step_traces_and_lowers_in_seconds(mesh) -> No
     assert ("all_reduce", DP) in found and ("all_reduce", TP) in found, found
     assert any(size == TP for _, size in found), found
     bucketed = [(c.kind, c.size) for c in collectives(lowered.program.graph)]
-    assert bucketed.count(("all_gather", DP)) == 1 and bucketed.count(("reduce_scatter", DP)) == 1, bucketed
+    # the forward's gathers in one bucket, the backward's (the weights gathered again
+    # there, reshard after forward) in another; the gradients' reduce-scatters in one
+    assert bucketed.count(("all_gather", DP)) == 2 and bucketed.count(("reduce_scatter", DP)) == 1, bucketed
     assert sum(cost.counts.values()) == len(bucketed) < len(found)
     links = {(row.size, row.link) for row in cost.collectives}
     assert (DP, "inter-node") in links and (TP, "intra-node") in links, links
@@ -81,6 +83,31 @@ def test_a_1024_rank_fsdp_times_tp_step_traces_and_lowers_in_seconds(mesh) -> No
     assert (
         "f32[128, 1], shard of DTensor[Shard(1), Shard(0)] of global shape [1024, 128]  <- params['0.weight']" in text
     )
+
+
+def test_resharding_after_forward_lowers_the_predicted_peak(mesh) -> None:
+    """Eight layers under FSDP over dp: with the weights gathered again for the
+    backward, a few gathered weights are alive at the peak instead of all eight."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(256, 256), nn.Tanh())])
+    apply, full, buffers = sg.functional(model)
+    opt = sg.optim.sgd(1e-3)
+
+    def step(params, opt_state, x):
+        loss, grads = sg.value_and_grad(lambda p: apply(p, buffers, x).square().mean())(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return sg.optim.apply_updates(params, updates), opt_state, loss
+
+    params = sg.distribute(full, mesh, sg.fsdp("dp"))
+    peaks = {}
+    for reshard in (True, False):
+        options = {"x": sg.P("dp"), "reshard_after_forward": reshard, "bucket_bytes": 0}
+        sharded = sg.static(sg.shard(mesh, params=sg.fsdp("dp"), **options)(step), donate=("params", "opt_state"))
+        lowered = sharded.lower(params, opt.init(params), torch.randn(2, 256))
+        assert ("regather" in lowered.program.passes) == reshard
+        peaks[reshard] = lowered.memory_analysis().peak_bytes
+    weight = 256 * 256 * 4
+    assert peaks[False] - peaks[True] >= 4 * weight, peaks
 
 
 def test_spec_errors_name_the_path_and_the_fix(mesh) -> None:

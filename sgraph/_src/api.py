@@ -537,6 +537,7 @@ def shard(
     links: Links | None = None,
     bucket_bytes: int | None = None,
     timeout: float = 300.0,
+    reshard_after_forward: bool = True,
     **specs: Any,
 ) -> Callable[[Callable[..., Any]], Transformed]:
     """Run the step over a device mesh: the step is written for whole tensors, and its
@@ -557,6 +558,10 @@ def shard(
         timeout: seconds the ranks wait for each other to agree on the program at the
             first call (collectives themselves time out as their process group says:
             ``init_process_group(timeout=...)``).
+        reshard_after_forward: gather each FSDP-sharded parameter again for the
+            backward rather than keep the forward's gathered copy alive (as FSDP2's
+            option of that name): the peak holds a few gathered weights, not all of
+            them, for one more all-gather per parameter.
         **specs: per argument name, a spec (``sg.P("dp")``, ``sg.fsdp("dp")``, ...) or a
             prefix tree of specs. A plain tensor is this rank's shard of the DTensor
             the spec describes (a replicated one must hold the same values on every
@@ -582,11 +587,17 @@ def shard(
         api = f"sg.shard({_name(base)})"
         mesh_axes(mesh, api)
         _check_shard_options(api, links, bucket_bytes, timeout)
+        if not isinstance(reshard_after_forward, bool):
+            raise ArgumentTypeError(
+                f"{api}: reshard_after_forward must be True or False; found {reshard_after_forward!r}."
+            )
         _check_spec_names(api, base, specs)
         for name, spec in [*specs.items(), ("out", out)]:
             check_specs(api, mesh, name if name != "out" else "out", spec)
         base, options = _unwrap(f, "shard")
-        record = ShardOptions(mesh, tuple(specs.items()), out, links, bucket_bytes, float(timeout))
+        record = ShardOptions(
+            mesh, tuple(specs.items()), out, links, bucket_bytes, float(timeout), reshard_after_forward
+        )
         return Transformed(base, options.with_shard(record))
 
     return wrap

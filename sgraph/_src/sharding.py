@@ -453,7 +453,8 @@ class ShardOptions:
     """Options of ``sg.shard``; see its docstring. ``specs`` maps argument names to
     spec trees; ``out`` is a spec tree over the step's result (None: outputs follow
     the inputs they match); ``links`` the cost model's links (None: the defaults);
-    ``bucket_bytes`` the bucket size (None: from the links); ``timeout`` seconds."""
+    ``bucket_bytes`` the bucket size (None: from the links); ``timeout`` seconds;
+    ``reshard_after_forward``: gather FSDP's parameters again for the backward."""
 
     mesh: Any
     specs: tuple[tuple[str, Any], ...] = ()
@@ -461,6 +462,7 @@ class ShardOptions:
     links: Any = None  # a passes.shard.cost.Links
     bucket_bytes: int | None = None
     timeout: float = 300.0
+    reshard_after_forward: bool = True
 
 
 def check_specs(api: str, device_mesh: Any, name: str, spec: Any) -> None:

@@ -22,7 +22,7 @@ def _free_port() -> int:
 
 def _losses(command: list[str]) -> list[float]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
+    env.update(OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()))
     done = subprocess.run(command, cwd=EXAMPLES, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     return [float(x) for x in re.findall(r"loss (\d+\.\d+)", done.stdout)]

@@ -150,14 +150,16 @@ def fsdp_matches_one_process(rank: int, world: int) -> None:
     _assert_matches(world, losses, params)
     assert all(p.placements == (Shard(0),) for p in params.values())
     # traced: each parameter gathered for the forward (the backward reuses it), its
-    # gradient reduce-scattered, the loss all-reduced; bucketed: one of each (the
-    # gradients' reduce-scatters are independent of each other, as are the gathers)
+    # gradient reduce-scattered, the loss all-reduced. Lowered: the last weight, which
+    # the backward reads, gathered again there (reshard after forward); then one
+    # bucket for the forward's gathers, one for the backward's, one of reduce-scatters
     if world == 1:
         assert _counts(lowered) == {}, _counts(lowered)
         return
     counts = _counts(lowered.traced)
     assert counts == {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 1}, counts
-    assert _counts(lowered) == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}, _counts(lowered)
+    assert _counts(lowered) == {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1}, _counts(lowered)
+    assert "regather" in lowered.program.passes
 
 
 @_check

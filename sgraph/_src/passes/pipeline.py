@@ -2,8 +2,9 @@
 
 Whatever order the user stacks the decorators in, a step is lowered the same way:
 kernel fixes (replay), cleanup and algebraic folds, then communication (for a step
-over DTensors: collectives of one rank elided, small ones bucketed, issues moved up
-and waits down to overlap compute), memory planning (optimizer updates scheduled as gradients finish where that
+over DTensors: collectives of one rank elided, parameters gathered again for the
+backward, small collectives bucketed, issues moved up and waits down to overlap
+compute), memory planning (optimizer updates scheduled as gradients finish where that
 lowers the predicted peak, then rematerialization), then donation, which must see the final outputs, then
 reinplacing, which makes the graph write donated outputs straight into their inputs
 and so must come last.
@@ -26,6 +27,7 @@ from .shard.bucketing import bucket, default_bucket_bytes
 from .shard.collectives import collectives, group_ranks
 from .shard.cost import Links
 from .shard.overlap import overlap
+from .shard.regather import regather
 from .shard.trivial import elide_trivial
 from .simplify import simplify
 
@@ -51,9 +53,14 @@ def lower(program: Program, options: Options) -> Program:
 def _communication(program: Program, options: Options) -> Program:
     program = elide_trivial(program)
     shard = options.shard
+    if shard is None or shard.reshard_after_forward:
+        program = regather(program)
     size = shard.bucket_bytes if shard is not None and shard.bucket_bytes is not None else _bucket_bytes(program, shard)
     if size and collectives(program.graph):
-        program = bucket(program, size)
+        # Bucketing merges collectives in program order: first order them as they are
+        # used, so a bucket holds neighbours (the gathers of one block, not of the
+        # first and the last layer), then schedule the buckets.
+        program = bucket(overlap(program), size)
     return overlap(program)
 
 

@@ -94,9 +94,16 @@ def forward_end(graph: torch.fx.Graph) -> int:
     the number of nodes when the step has no backward."""
     for i, node in enumerate(graph.nodes):
         source = node.meta.get(SOURCE_KEY)
-        if node.op == "call_function" and source is not None and source.backward:
+        if node.op == "call_function" and source is not None and source.backward and not _communicates(node):
             return i
     return len(graph.nodes)
+
+
+def _communicates(node: Node) -> bool:
+    """A collective or its wait: the overlap pass issues the backward's early, inside
+    the forward, so they do not mark where the backward starts."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == "_c10d_functional"
 
 
 def groups(program: Program) -> list[Group]:

@@ -19,6 +19,7 @@ import torch
 import torch.fx
 from torch.fx import Node
 
+from ...capture import SOURCE_KEY
 from ...program import Program, alias_root, written_args
 from .collectives import Collective, add_call, collectives
 
@@ -63,7 +64,9 @@ def bucket(program: Program, bucket_bytes: int) -> Program:
     """Merge independent collectives of one kind, group, dtype and reduce op into buckets.
 
     Collectives are taken in program order, greedily: one joins the open bucket of
-    its kind unless the bucket would pass ``bucket_bytes`` (the larger of one rank's
+    its kind (and of its half of the step: a forward collective never merges with a
+    backward one, which would run the backward's at the forward's place, and keep its
+    result alive from there) unless the bucket would pass ``bucket_bytes`` (the larger of one rank's
     input and output bytes, summed), or its input depends on a member's result (the
     merged collective could then not run before itself), or something wrote into a
     member's input since it joined. A bucket then becomes one collective, issued after
@@ -99,7 +102,8 @@ def bucket(program: Program, bucket_bytes: int) -> Program:
     planner = _Planner(bucket_bytes)
     mergeable = {c.node: c for c in collectives(gm.graph) if _key(c) is not None}
     for node in gm.graph.nodes:
-        planner.visit(node, mergeable.get(node))
+        c = mergeable.get(node)
+        planner.visit(node, c, None if c is None else (*cast(tuple, _key(c)), _backward(node)))
     merged = [_merge(gm.graph, b.members) for b in planner.buckets if len(b.members) > 1]
     if not any(merged):
         return program
@@ -137,7 +141,7 @@ class _Planner:
         self.deps: dict[Node, set[int]] = {}
         self.readers: dict[int, list[Node]] = {}  # per open bucket, the nodes depending on it
 
-    def visit(self, node: Node, c: Collective | None) -> None:
+    def visit(self, node: Node, c: Collective | None, key: tuple[Any, ...] | None) -> None:
         needs = {i for a in node.all_input_nodes for i in self.deps.get(a, ()) if i in self.readers}
         roots = {alias_root(a) for a in written_args(node)}
         for key in [k for k, b in self.open.items() if b.reads & roots]:
@@ -145,7 +149,7 @@ class _Planner:
         if c is None:
             self._depend(node, needs)
             return
-        key, nbytes = cast(tuple, _key(c)), max(c.input_bytes, c.output_bytes)
+        key, nbytes = cast(tuple, key), max(c.input_bytes, c.output_bytes)
         b = self.open.get(key)
         if b is None or b.index in needs or b.nbytes + nbytes > self.limit:
             b = self._start(key)
@@ -189,6 +193,12 @@ class _Planner:
             self.deps[node].add(i)
             if i in self.readers:
                 self.readers[i].append(node)
+
+
+def _backward(node: Node) -> bool:
+    """Whether the collective serves the backward (by its source: passes move them)."""
+    source = node.meta.get(SOURCE_KEY)
+    return bool(source is not None and source.backward)
 
 
 def _key(c: Collective) -> tuple[Any, ...] | None:

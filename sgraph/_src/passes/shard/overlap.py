@@ -9,7 +9,6 @@ up and waits down, leaving the compute in its order.
 from __future__ import annotations
 
 import operator
-from collections import deque
 
 import torch
 import torch.fx
@@ -18,7 +17,7 @@ from torch.fx import Node
 from ...program import Program, alias_root, written_args
 from .collectives import group_name, is_collective, is_wait
 
-__all__ = ["overlap"]
+__all__ = ["of_parameters", "overlap"]
 
 
 def overlap(program: Program) -> Program:
@@ -32,19 +31,23 @@ def overlap(program: Program) -> Program:
     A collective whose input is another one's result is issued once that result is
     first needed, by it or by compute.
 
-    One collective per group is in flight at a time, as FSDP does: the next one is
-    issued once the previous one's result is waited on. A collective of parameters
-    (its input is a graph input, or views and casts of one: FSDP's all-gathers) waits
-    for that, so it is prefetched one use ahead and gathered parameters do not all
-    live at once; any other (a gradient's reduce-scatter) is issued as soon as its
-    input exists, waiting on the previous one first, so at most one full gradient
-    waits for its reduction.
+    Each group has two lanes, and each lane has one collective in flight at a time,
+    as FSDP has:
 
-    Collectives over one process group keep their order: every rank of a group must
-    issue the group's collectives in the same order, or ranks would pair different
-    collectives and hang or exchange the wrong data. Keeping the traced order keeps
-    it the same on every rank whatever their graphs hold besides. Collectives over
-    different groups may pass each other.
+    - Gathers of parameters (the input is a graph input, or views, casts and padding
+      of one) are issued once the lane's previous one is waited on. So each is
+      prefetched one use ahead, and gathered parameters do not all live at once.
+    - Any other collective (a gradient's reduce-scatter) is issued as soon as its input
+      exists, after waiting on the lane's previous one. So at most one full gradient
+      waits for its reduction.
+
+    Every rank of a group must issue the group's collectives in the same order, or ranks
+    would pair different collectives and hang or exchange the wrong data. Within a lane
+    the traced order is kept. Across the two lanes the order follows the compute order
+    and the waits the compute demands, both the same on every rank. (Ranks' graphs
+    differ only by the padding of uneven shards, which decides nothing here, and the
+    ranks check that they agree on their collectives before the first one runs.)
+    Collectives over different groups may pass each other.
 
     Issuing earlier keeps a collective's buffers alive longer, so peak memory can grow.
 
@@ -71,19 +74,20 @@ def overlap(program: Program) -> Program:
 
 
 class _Schedule:
-    """A new order: compute in its order, collectives issued once ready (in each group's
-    order), waits and their views emitted on demand."""
+    """A new order: compute in its order, collectives issued once ready (see
+    :func:`overlap` for the lanes), waits and their views emitted on demand."""
 
     def __init__(self, graph: torch.fx.Graph) -> None:
         self.nodes = list(graph.nodes)
         self.order: list[Node] = []
         self.done: set[Node] = set()
-        self.queues: dict[str, deque[Node]] = {}
+        self.queues: dict[tuple[str, bool], list[Node]] = {}  # per lane (group, of parameters): not yet issued
+        self.lane: dict[Node, tuple[str, bool]] = {}
+        self.flight: dict[tuple[str, bool], Node] = {}  # per lane: the last collective issued
         self.lazy: set[Node] = set()
         self.writes_before: dict[Node, list[Node]] = {}  # collective -> earlier writes into what it reads
-        self.previous: dict[Node, Node] = {}  # collective -> the one before it in its group
-        self.prefetched: set[Node] = set()  # collectives of parameters
         self.waits_before: dict[Node, list[Node]] = {}  # write -> waits of earlier collectives reading it
+        self.sources: dict[Node, list[Node]] = {}
         self._index()
 
     def _index(self) -> None:
@@ -95,18 +99,32 @@ class _Schedule:
                 self.waits_before.setdefault(node, []).extend(waits)
                 last_write[root] = node
             if is_collective(node):
-                queue = self.queues.setdefault(group_name(node), deque())
-                if queue:
-                    self.previous[node] = queue[-1]
-                queue.append(node)
-                if _of_parameters(node):
-                    self.prefetched.add(node)
+                lane = (group_name(node), of_parameters(node))
+                self.queues.setdefault(lane, []).append(node)
+                self.lane[node] = lane
+                self.sources[node] = _sources(node)
                 roots = {alias_root(a) for a in node.all_input_nodes}
                 self.writes_before[node] = [last_write[r] for r in roots if r in last_write]
                 for root in roots:
                     readers.setdefault(root, []).append(node)
             elif is_wait(node) or (_is_view(node) and _follows_collective(node, self.lazy)):
                 self.lazy.add(node)
+        position = {node: i for i, node in enumerate(self.nodes)}
+        for lane, queue in self.queues.items():
+            if lane[1]:  # gathers of parameters go in the order the step first uses them
+                queue.sort(key=lambda c: (self._first_use(c, position), position[c]))
+
+    def _first_use(self, collective: Node, position: dict[Node, int]) -> int:
+        """The position of the first node reading the collective's result through its
+        wait and views (the end if none does)."""
+        first, stack = len(self.nodes), list(collective.users)
+        while stack:
+            node = stack.pop()
+            if node in self.lazy or node.target is operator.getitem:
+                stack.extend(node.users)
+            else:
+                first = min(first, position[node])
+        return first
 
     def run(self) -> list[Node]:
         for node in self.nodes:
@@ -122,7 +140,7 @@ class _Schedule:
                     self._ensure(rest)
             for needed in [*node.all_input_nodes, *self.waits_before.get(node, ())]:
                 self._ensure(needed)
-            self._issue_ready()  # a wait just emitted for this node may free its group's next collective
+            self._issue_ready()  # a wait just emitted for this node may free its lane's next collective
             self._emit(node)
             self._issue_ready()
         return self.order
@@ -142,39 +160,61 @@ class _Schedule:
         self._emit(node)
 
     def _issue_through(self, collective: Node) -> None:
-        """Issue the collectives of ``collective``'s group up to it, in their order."""
-        queue = self.queues[group_name(collective)]
+        """Issue ``collective`` now (a parameter gather: its lane's earlier ones first)."""
+        lane = self.lane[collective]
         while collective not in self.done:
-            head = queue[0]
-            for needed in [*head.all_input_nodes, *self.writes_before[head]]:
-                self._ensure(needed)
-            queue.popleft()
-            self._emit(head)
+            self._issue(self.queues[lane][0] if lane[1] else collective)
 
     def _issue_ready(self) -> None:
         progress = True
         while progress:
             progress = False
-            for queue in self.queues.values():
-                while queue and self._ready(queue[0]):
-                    self._wait_previous(queue[0])
-                    self._emit(queue.popleft())
+            for lane, queue in self.queues.items():
+                found = self._next(lane, queue)
+                if found is not None:
+                    self._issue(found)
                     progress = True
 
-    def _ready(self, collective: Node) -> bool:
-        needed = [*collective.all_input_nodes, *self.writes_before[collective]]
-        if not all(n in self.done for n in needed):
-            return False
-        previous = self.previous.get(collective)
-        if collective in self.prefetched and previous is not None:
-            return all(w in self.done for w in _waits(previous))
-        return True
+    def _next(self, lane: tuple[str, bool], queue: list[Node]) -> Node | None:
+        """The lane's collective to issue now, if any: the first parameter gather once the
+        previous one is waited on; else the first collective whose input exists."""
+        if not queue:
+            return None
+        if lane[1]:
+            previous = self.flight.get(lane)
+            landed = previous is None or all(w in self.done for w in _waits(previous))
+            return queue[0] if landed and self._ready(queue[0]) else None
+        return next((c for c in queue if self._ready(c)), None)
 
-    def _wait_previous(self, collective: Node) -> None:
-        previous = self.previous.get(collective)
+    def _ready(self, collective: Node) -> bool:
+        needed = [*self.sources[collective], *self.writes_before[collective]]
+        return all(n in self.done for n in needed)
+
+    def _issue(self, collective: Node) -> None:
+        lane = self.lane[collective]
+        previous = self.flight.get(lane)
         if previous is not None:
             for wait in _waits(previous):
                 self._ensure(wait)
+        for needed in [*collective.all_input_nodes, *self.writes_before[collective]]:
+            self._ensure(needed)
+        self.queues[lane].remove(collective)
+        self._emit(collective)
+        self.flight[lane] = collective
+
+
+def _sources(collective: Node) -> list[Node]:
+    """What a collective's input is made from, looking through views, casts and padding
+    (which some ranks have and others not: readiness must not depend on them)."""
+    found: list[Node] = []
+    stack = list(collective.all_input_nodes)
+    while stack:
+        node = stack.pop()
+        if node.op != "placeholder" and (_is_view(node) or node.target in _CASTS) and not is_wait(node):
+            stack.extend(node.all_input_nodes)
+        elif node not in found:
+            found.append(node)
+    return found
 
 
 def _waits(collective: Node) -> list[Node]:
@@ -184,8 +224,10 @@ def _waits(collective: Node) -> list[Node]:
     return found + [w for item in items for w in item.users if is_wait(w)]
 
 
-def _of_parameters(collective: Node) -> bool:
-    """Whether the collective's input is made from graph inputs by views and casts only."""
+def of_parameters(collective: Node) -> bool:
+    """Whether the collective's input is made from graph inputs by views, casts and
+    padding only (DTensor pads the ranks' uneven shards of a parameter to one size:
+    the answer must be the same on every rank)."""
     stack = list(collective.all_input_nodes)
     while stack:
         node = stack.pop()
@@ -198,6 +240,8 @@ def _of_parameters(collective: Node) -> bool:
 
 
 _CASTS = {
+    torch.ops.aten.constant_pad_nd.default,
+    torch.ops.aten.detach.default,
     torch.ops.prims.convert_element_type.default,
     torch.ops.aten._to_copy.default,
     torch.ops.aten.clone.default,
