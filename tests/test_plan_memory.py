@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
-from models_for_tests import gpt_loss, run_steps, tiny_gpt, token_batches, train_step_fn
+from models_for_tests import classification_batches, gpt_loss, mlp, run_steps, tiny_gpt, token_batches, train_step_fn
 
 import sgraph as sg
 from sgraph._src.passes.memory.remat import RECOMPUTED_KEY, forward_end, groups
+from sgraph._src.runtime.inductor import _COPY_RUN, _POSITION, _KeepCopiesInPlace
 from sgraph._src.source import MODULE_KEY
 
 X = torch.randn(256)  # 1024 bytes
@@ -193,6 +196,96 @@ def test_the_plan_is_shown(gpt):
     plan = sg.static(sg.plan_memory(step)).lower(params, opt_state, batches[0]).memory_plan
     text = plan.as_text()
     assert text.startswith("memory plan (min_time, no budget): predicted peak") and "recomputed" in text
+
+
+# ------------------------------------------------------------------ under sg.fuse
+
+
+@pytest.fixture(scope="module")
+def fused_mlp():
+    """Three steps of a tiny MLP planned and fused (one Inductor compile, cached on disk),
+    next to the same steps unplanned and run eagerly."""
+    torch.manual_seed(0)
+    apply, params, _ = sg.functional(mlp(16, 2, 4))
+    opt = sg.optim.adamw(1e-2, weight_decay=0.01)
+    step = train_step_fn(apply, F.cross_entropy, opt)
+    batches = classification_batches(3, 16, 16, 4)
+    # Not donated: the graph stays small enough (copies within 64 nodes of their twins) that
+    # Inductor's own distance limit on horizontal fusions does not hide the fusion refused here.
+    planned = sg.static(sg.fuse(sg.plan_memory(step)))
+    got = run_steps(planned, params, opt.init(params), batches)
+    want = run_steps(sg.static(step), params, opt.init(params), batches)
+    return planned.last_compiled, got, want
+
+
+@pytest.mark.slow
+def test_no_generated_kernel_computes_a_copy_with_its_forward_twin(fused_mlp):
+    """Inductor fuses the copy of gelu in the backward with its twin in the forward (both
+    read the saved addmm): the copy would be made in the forward and kept after all."""
+    compiled, _, _ = fused_mlp
+    copies = [n for n in compiled.program.graph.nodes if RECOMPUTED_KEY in n.meta]
+    assert sorted(n.meta[RECOMPUTED_KEY] for n in copies) == ["gelu", "gelu_1"]
+    kernels = compiled.executable.kernels.of_node
+    for copy in copies:
+        twin = copy.meta[RECOMPUTED_KEY]
+        assert kernels.get(copy.name) and kernels.get(twin)  # both computed by kernels we can see
+        assert not set(kernels[copy.name]) & set(kernels[twin]), compiled.as_text()
+
+
+@pytest.mark.slow
+def test_a_fused_planned_step_matches_the_unplanned_one(fused_mlp):
+    _, got, want = fused_mlp
+    for (loss_g, p_g), (loss_w, p_w) in zip(got, want):
+        # Generated kernels round differently from ATen's (as in test_fuse.py): not bitwise.
+        torch.testing.assert_close(loss_g, loss_w, rtol=1e-5, atol=0)
+        for k in p_w:
+            torch.testing.assert_close(p_g[k], p_w[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def _scheduler_node(name, position, run=None, inlined=()):
+    """A stand-in for an Inductor scheduler node: the op making its value at ``position``
+    of the graph given to Inductor (None: unknown; a copy when ``run``, its run's start,
+    is given), with ops ``inlined`` into it from earlier positions."""
+    marks = {_POSITION: position, _COPY_RUN: run}
+    metas = [{k: v for k, v in marks.items() if v is not None}] + [{_POSITION: p} for p in inlined]
+    origins = [SimpleNamespace(meta=m) for m in metas]
+    node = SimpleNamespace(get_name=lambda: name, node=SimpleNamespace(origins=origins))
+    node.get_nodes = lambda: [node]
+    return node
+
+
+def _fused(*nodes):
+    return SimpleNamespace(get_name=lambda: "_".join(n.get_name() for n in nodes), get_nodes=lambda: list(nodes))
+
+
+def test_a_copy_fuses_with_nothing_placed_before_its_run():
+    """Forward op at 3, a backward op at 15, a run of two copies at 20-21 read at 22."""
+    twin, early = _scheduler_node("twin", 3), _scheduler_node("early", 15)
+    copy, chained = _scheduler_node("copy", 20, run=20), _scheduler_node("chained", 21, run=20)
+    reader, later = _scheduler_node("reader", 22, inlined=(3,)), _scheduler_node("later", 30)
+    older_copy, unknown = _scheduler_node("older_copy", 10, run=10), _scheduler_node("unknown", None)
+    verdict = []
+    rule = _KeepCopiesInPlace(SimpleNamespace(can_fuse=lambda *args: verdict[-1]))
+
+    def fuses(a, b, inductor_says=True):
+        verdict.append(inductor_says)
+        return rule.can_fuse(None, a, b, 1)
+
+    for other in (twin, early, older_copy, _fused(later, twin)):
+        assert not fuses(copy, other) and not fuses(other, copy)
+    for other in (chained, reader, later, _fused(chained, reader), unknown, _fused()):
+        assert fuses(copy, other) and fuses(other, copy)
+        assert not fuses(copy, other, inductor_says=False)  # otherwise Inductor decides
+    assert fuses(twin, later) and fuses(reader, twin)  # no copy in either
+
+
+@pytest.mark.slow
+def test_the_fusion_rule_is_set_only_while_compiling(fused_mlp):
+    from torch._inductor import config
+    from torch._inductor.virtualized import V
+
+    assert config.post_grad_custom_post_pass is None
+    assert not isinstance(V.choices, _KeepCopiesInPlace)
 
 
 # ------------------------------------------------------------------ options
