@@ -47,10 +47,12 @@ def test_a_mesh_of_one_gpu_matches_the_unsharded_step(mesh, fuse, strategy):
     compiled = sharded.last_compiled
     assert compiled.stats.runtime in ("cudagraph", "inductor+cudagraph"), compiled.stats
     assert collectives(compiled.program.graph) == [], "a 1-rank mesh needs no communication"
+    # The update of DTensor params runs tensor by tensor, not as sgraph's fused AdamW
+    # kernel (which takes plain tensors), so params, and the losses after the first
+    # update, agree to rounding; with fusion Inductor also sees DTensor's views.
+    first = got[0][0].full_tensor()
+    assert torch.equal(first, want[0][0]) if not fuse else torch.allclose(first, want[0][0], rtol=1e-5)
     for (lg, pg), (lw, pw) in zip(got, want):
-        lg = lg.full_tensor() if hasattr(lg, "full_tensor") else lg
-        if fuse:  # the fused programs differ by DTensor's views, so Inductor may fuse differently
-            torch.testing.assert_close(lg, lw, rtol=1e-5, atol=1e-6)
-        else:
-            assert torch.equal(lg, lw)
-            assert all(torch.equal(pg[k].full_tensor(), pw[k]) for k in pw)
+        torch.testing.assert_close(lg.full_tensor(), lw, rtol=1e-5, atol=1e-6)
+        for k in pw:
+            torch.testing.assert_close(pg[k].full_tensor(), pw[k], rtol=1e-5, atol=1e-6)

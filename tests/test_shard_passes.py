@@ -618,3 +618,22 @@ def results(tmp_path_factory) -> list[dict[str, str]]:
 def test_numbers_over_gloo(results: list[dict[str, str]], check: str) -> None:
     for rank, result in enumerate(results):
         assert result[check] == "", f"rank {rank}:\n{result[check]}"
+
+
+def test_cleanup_drops_dead_ops_on_uninitialized_memory() -> None:
+    """DTensor's sharding propagation records ops on empty tensors while it works out an
+    op's output (GPU attention); nothing reads them, and they must not run."""
+    from sgraph._src.passes.cleanup import cleanup
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(aten.empty_strided.default, ([4, 4], [4, 1]))
+    b = graph.call_function(aten.empty_strided.default, ([4, 4], [4, 1]))
+    graph.call_function(aten.bernoulli.p, (a, 0.5))  # random: kept by plain dead-code removal
+    graph.call_function(aten.mm.default, (a, b))
+    kept = graph.call_function(aten.bernoulli.p, (x, 0.5))  # dead, random, but on real data: stays
+    graph.output([graph.call_function(aten.sin.default, (x,))])
+    after = cleanup(_program(torch.fx.GraphModule(torch.nn.Module(), graph)))
+    targets = [n.target for n in after.graph.nodes if n.op == "call_function"]
+    assert aten.empty_strided.default not in targets and aten.mm.default not in targets
+    assert targets.count(aten.bernoulli.p) == 1 and kept.name in [n.name for n in after.graph.nodes]

@@ -198,12 +198,14 @@ def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
 
 def _check_plan(program: Program, allocated: int, reserved: int) -> None:
     """Warn, with the predicted breakdown, when a planned step went over its budget, or
-    (with no budget) over 10% and 64 MiB beyond the planned peak."""
+    (with no budget) over 10% and 128 MiB beyond the planned peak: the warm-up and
+    the capture run on streams of their own, each with cuBLAS and cuBLASLt workspaces
+    (32 MiB and more apiece on Hopper), which no plan of the step's tensors sees."""
     from ..passes.memory.analysis import memory_analysis
 
     predicted = memory_analysis(program)
     budget = program.memory_plan.budget
-    limit = budget if budget is not None else max(1.1 * predicted.peak_bytes, predicted.peak_bytes + 2**26)
+    limit = budget if budget is not None else max(1.1 * predicted.peak_bytes, predicted.peak_bytes + 2**27)
     if allocated <= limit:
         return
     kinds = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(predicted.by_kind.items(), key=lambda kv: -kv[1]))

@@ -22,6 +22,7 @@ import functools
 import hashlib
 import threading
 import time
+import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,9 @@ def _compile(
         try:
             return compile_fx(gm, examples)
         except Exception as error:
+            retried = _without_loop_reordering(compile_fx, gm, examples, error)
+            if retried is not None:
+                return retried
             text = str(error)
             text = text if len(text) <= 600 else text[:600] + " ..."
             raise CaptureError(
@@ -120,6 +124,23 @@ def _compile(
                 f"{text}. sg.static alone runs the same program on ATen kernels; pass fallback='eager' to "
                 "run the step uncaptured instead of raising."
             ) from error
+
+
+def _without_loop_reordering(
+    compile_fx: Any, gm: torch.fx.GraphModule, examples: list[torch.Tensor], error: Exception
+) -> Any:
+    """Compile again without Inductor's loop reordering after fusion, when that is what
+    failed (torch 2.11 asserts there on a multi-tensor kernel next to an atomic add);
+    None if it is not, or if the retry fails too."""
+    if "reorder_loops" not in "".join(traceback.format_exception(error)):
+        return None
+    from torch._inductor import config
+
+    try:
+        with config.patch(loop_ordering_after_fusion=False):
+            return compile_fx(gm, examples)
+    except Exception:
+        return None
 
 
 _POSITION = "sgraph_position"  # post-grad node meta: where its op sits in the graph given to Inductor
