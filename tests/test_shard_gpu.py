@@ -29,7 +29,10 @@ def mesh():
 def _setup():
     model = tiny_gpt().cuda()
     apply, params, _ = sg.functional(model)
-    opt = sg.optim.adamw(1e-2, weight_decay=0.01)
+    # SGD, not AdamW: the attention's key bias has a gradient of pure rounding noise
+    # (softmax ignores it), which AdamW's division by the gradient's own scale turns
+    # into updates of lr whatever the noise, so any other kernel choice shows there.
+    opt = sg.optim.sgd(1e-2, momentum=0.9)
     batches = [(x.cuda(), y.cuda()) for x, y in token_batches(3, 64)]
     return train_step_fn(apply, gpt_loss, opt), params, opt, batches
 
@@ -47,9 +50,9 @@ def test_a_mesh_of_one_gpu_matches_the_unsharded_step(mesh, fuse, strategy):
     compiled = sharded.last_compiled
     assert compiled.stats.runtime in ("cudagraph", "inductor+cudagraph"), compiled.stats
     assert collectives(compiled.program.graph) == [], "a 1-rank mesh needs no communication"
-    # The update of DTensor params runs tensor by tensor, not as sgraph's fused AdamW
-    # kernel (which takes plain tensors), so params, and the losses after the first
-    # update, agree to rounding; with fusion Inductor also sees DTensor's views.
+    # DTensor may pick other kernels (attention's among them) and runs the update
+    # tensor by tensor, so params, and the losses after the first update, agree to
+    # rounding; with fusion Inductor also sees DTensor's views.
     first = got[0][0].full_tensor()
     assert torch.equal(first, want[0][0]) if not fuse else torch.allclose(first, want[0][0], rtol=1e-5)
     for (lg, pg), (lw, pw) in zip(got, want):
