@@ -82,9 +82,7 @@ def rebuild(shard: torch.Tensor, info: DistInfo) -> Any:
     )
 
 
-def wrap(
-    shards: list[Any], infos: Sequence[DistInfo | None], specs: list[Any], *, skip: Container[int] = ()
-) -> None:
+def wrap(shards: list[Any], infos: Sequence[DistInfo | None], specs: list[Any], *, skip: Container[int] = ()) -> None:
     """Make ``shards[i]`` the DTensor ``infos[i]`` describes, in place, where it is not
     None and ``i`` not in ``skip``. ``specs`` caches each output's DTensor spec: after
     the first call a DTensor is made straight from it (what DTensor's own ops do),

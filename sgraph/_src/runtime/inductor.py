@@ -193,7 +193,9 @@ def copies_in_place(gm: torch.fx.GraphModule) -> Iterator[None]:
     # Inductor's reordering for peak memory moves nodes next to the ones they share
     # reads with (a copy next to its forward twin, where the C++ and Triton backends
     # then emit them as one kernel): the plan has already decided the order.
-    patch = config.patch(post_grad_custom_post_pass=mark, reorder_for_peak_memory=False)
+    # Combo kernels group independent nodes without asking ``can_fuse``: a copy could
+    # land in a combo kernel with its twin, so they are off too.
+    patch = config.patch(post_grad_custom_post_pass=mark, reorder_for_peak_memory=False, combo_kernels=False)
     with patch, V.set_choices_handler(_KeepCopiesInPlace(V.choices)):
         yield
 
