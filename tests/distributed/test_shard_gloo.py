@@ -203,6 +203,27 @@ def plain_step_without_static_matches(rank: int, world: int) -> None:
 
 
 @_check
+def returned_params_checkpoint_with_dcp(rank: int, world: int) -> None:
+    """The step's outputs are real DTensors: torch.distributed.checkpoint saves them, and
+    loads them back into fresh shards."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+
+    mesh = sg.mesh(dp=world)
+    _, params, _ = _train(world, rank, mesh, sg.fsdp("dp"))
+    directory = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(directory)
+    dcp.save({"params": params}, checkpoint_id=directory[0])
+    apply, full, buffers = sg.functional(_model())
+    fresh = sg.distribute(full, mesh, sg.fsdp("dp"))
+    assert not torch.equal(fresh["0.weight"].full_tensor(), params["0.weight"].full_tensor())
+    dcp.load({"params": fresh}, checkpoint_id=directory[0])
+    for k in params:
+        assert torch.equal(fresh[k].full_tensor(), params[k].full_tensor()), k
+
+
+@_check
 def fused_fsdp_matches_one_process(rank: int, world: int) -> None:
     """sg.fuse lowers the collectives with the rest (Inductor's C++ here); 2 ranks only:
     a compile costs tens of seconds on this CPU."""
