@@ -110,6 +110,26 @@ def test_resharding_after_forward_lowers_the_predicted_peak(mesh) -> None:
     assert peaks[False] - peaks[True] >= 4 * weight, peaks
 
 
+def test_outputs_follow_their_inputs_or_the_out_spec(mesh) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    step, full, opt = _setup()
+    params = sg.distribute(full, mesh, SPEC)
+    batch = (torch.randn(2, 128), torch.randn(2, 128))
+
+    def placements(lowered, path):
+        leaf = next(o for o in lowered.program.outputs if o.path == path)
+        return leaf.dist.placements
+
+    default = sg.shard(mesh, params=SPEC, batch=sg.P("dp"))(step).lower(params, opt.init(params), batch)
+    assert placements(default, "result[0]['0.weight']") == (Shard(1), Shard(0))  # like params['0.weight']
+    assert placements(default, "result[1].mu['0.weight']") == (Shard(1), Shard(0))  # like the moments
+    assert placements(default, "result[2]") == (Replicate(), Replicate())  # the loss, summed over ranks
+    whole = (sg.replicate(), None, None)
+    told = sg.shard(mesh, params=SPEC, batch=sg.P("dp"), out=whole)(step).lower(params, opt.init(params), batch)
+    assert placements(told, "result[0]['0.weight']") == (Replicate(), Replicate())
+
+
 def test_spec_errors_name_the_path_and_the_fix(mesh) -> None:
     step, full, opt = _setup()
     with pytest.raises(sg.ArgumentError, match=r"params\['0'\]: sg.fsdp\('dq'\) names mesh axis 'dq'.*'dp', 'tp'"):
