@@ -7,7 +7,6 @@ so the order of the decorators does not change the meaning.
 
 from __future__ import annotations
 
-import difflib
 import functools
 import inspect
 import threading
@@ -38,7 +37,8 @@ from .options import (
     check_unknown,
 )
 from .passes.shard.cost import Links
-from .sharding import Sharder, ShardOptions, check_specs, mesh_axes
+from .placing import Sharder, ShardOptions, check_shard_options, check_spec_names, check_specs
+from .sharding import mesh_axes
 from .signature import Signature, signature_of
 from .stages import Compiled, Counters, Traced
 from .trace import ArgLayout, arg_layout, positional_names, trace
@@ -586,12 +586,12 @@ def shard(
         base = f.fn if isinstance(f, Transformed) else f
         api = f"sg.shard({_name(base)})"
         mesh_axes(mesh, api)
-        _check_shard_options(api, links, bucket_bytes, timeout)
+        check_shard_options(api, links, bucket_bytes, timeout)
         if not isinstance(reshard_after_forward, bool):
             raise ArgumentTypeError(
                 f"{api}: reshard_after_forward must be True or False; found {reshard_after_forward!r}."
             )
-        _check_spec_names(api, base, specs)
+        check_spec_names(api, base, specs)
         for name, spec in [*specs.items(), ("out", out)]:
             check_specs(api, mesh, name if name != "out" else "out", spec)
         base, options = _unwrap(f, "shard")
@@ -601,33 +601,6 @@ def shard(
         return Transformed(base, options.with_shard(record))
 
     return wrap
-
-
-def _check_shard_options(api: str, links: Any, bucket_bytes: Any, timeout: Any) -> None:
-    if links is not None and not isinstance(links, Links):
-        raise ArgumentTypeError(f"{api}: links must be an sg.Links(...); found {links!r}.")
-    if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)):
-        raise ArgumentTypeError(f"{api}: bucket_bytes must be an int (0 turns bucketing off); found {bucket_bytes!r}.")
-    if bucket_bytes is not None and bucket_bytes < 0:
-        raise ArgumentError(f"{api}: bucket_bytes must be >= 0 (0 turns bucketing off); found {bucket_bytes}.")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ArgumentError(f"{api}: timeout must be a positive number of seconds; found {timeout!r}.")
-
-
-def _check_spec_names(api: str, fn: Callable[..., Any], specs: dict[str, Any]) -> None:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return
-    for name in specs:
-        if name not in params:
-            close = difflib.get_close_matches(name, list(params), n=1)
-            hint = f" Did you mean {close[0]}=?" if close else ""
-            raise ArgumentError(
-                f"{api}: {name}= names no parameter of the step (its parameters: {', '.join(params)}).{hint}"
-            )
 
 
 def _unwrap(f: Callable[..., Any], transform: str) -> tuple[Callable[..., Any], Options]:

@@ -80,7 +80,7 @@ class Options:
     static: StaticOptions | None = None
     fuse: FuseOptions | None = None
     memory: MemoryOptions | None = None
-    shard: Any = None  # a sharding.ShardOptions
+    shard: Any = None  # a placing.ShardOptions
     names: tuple[str, ...] = field(default=())
 
     def with_static(self, static: StaticOptions) -> Options:
