@@ -620,6 +620,27 @@ def test_numbers_over_gloo(results: list[dict[str, str]], check: str) -> None:
         assert result[check] == "", f"rank {rank}:\n{result[check]}"
 
 
+def test_the_memory_analysis_keeps_a_collectives_input_until_its_wait(fake) -> None:
+    """The communication reads its input between the issue and the wait: overlap puts
+    compute there, and the input is alive through it."""
+    from sgraph._src.passes.memory.analysis import memory_analysis
+
+    def step(a: torch.Tensor, b: torch.Tensor) -> list[torch.Tensor]:
+        sent = a * 2
+        total = _all_reduce(sent, fake.dp)
+        return [total, b.exp()]
+
+    n = 4 * 4096  # bytes of each tensor
+    program = _trace(step, torch.randn(4096), torch.randn(4096))
+    after = overlap(program)
+    at = _position(after)
+    assert at["all_reduce"] < at["exp"] < at["wait_tensor"]
+    # at exp: the inputs, `sent` (still being sent), the all-reduce's result (which its
+    # wait returns: one buffer, not two) and exp's
+    assert memory_analysis(after).peak_bytes == 5 * n
+    assert memory_analysis(program).peak_bytes == 4 * n  # traced: sent dies at the wait, before exp
+
+
 def test_cleanup_drops_dead_ops_on_uninitialized_memory() -> None:
     """DTensor's sharding propagation records ops on empty tensors while it works out an
     op's output (GPU attention); nothing reads them, and they must not run."""

@@ -226,8 +226,12 @@ def alias_root(node: torch.fx.Node) -> torch.fx.Node:
 def memory_root(node: torch.fx.Node) -> torch.fx.Node:
     """The node whose memory ``node`` lives in: like :func:`alias_root`, except that an
     output of an op returning fresh tensors (a foreach op, a fused optimizer) is its own
-    memory, not its siblings'."""
+    memory, not its siblings', and that a collective's ``wait_tensor`` is the memory of
+    the collective's result, which it returns."""
     return _root(node, fresh_outputs_are_roots=True)
+
+
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 def _root(node: torch.fx.Node, *, fresh_outputs_are_roots: bool) -> torch.fx.Node:
@@ -240,6 +244,9 @@ def _root(node: torch.fx.Node, *, fresh_outputs_are_roots: bool) -> torch.fx.Nod
             continue
         if not isinstance(target, torch._ops.OpOverload) or not target._schema.arguments:
             break
+        if fresh_outputs_are_roots and target is _WAIT:
+            node = cast(torch.fx.Node, node.args[0])  # a collective's wait returns its buffer
+            continue
         returns, first = target._schema.returns, target._schema.arguments[0]
         if not returns or returns[0].alias_info is None or first.alias_info is None:
             break

@@ -33,6 +33,7 @@ import torch.fx
 from ...capture import SOURCE_KEY
 from ...program import Program, memory_root, placeholders, returned
 from ...text import describe_tensor
+from ..shard.collectives import is_collective, wait_of
 
 __all__ = ["Buffer", "MemoryAnalysis", "memory_analysis"]
 
@@ -201,14 +202,22 @@ def _allocated_at(node: torch.fx.Node, position: dict[torch.fx.Node, int]) -> in
 
 
 def _last_reads(nodes: list[torch.fx.Node], position: dict[torch.fx.Node, int]) -> dict[torch.fx.Node, int]:
-    """Per buffer (memory root), the position of the last op reading it or a view of it."""
+    """Per buffer (memory root), the position of the last op reading it or a view of it.
+    A collective reads its input until its wait: the communication runs in between."""
     last: dict[torch.fx.Node, int] = {}
     for node in nodes:
         if not node.users:
             continue
         root = memory_root(node)
-        last[root] = max(last.get(root, 0), *(position[user] for user in node.users))
+        last[root] = max(last.get(root, 0), *(position[_read_until(user)] for user in node.users))
     return last
+
+
+def _read_until(user: torch.fx.Node) -> torch.fx.Node:
+    if not is_collective(user):
+        return user
+    wait = wait_of(user)
+    return wait if wait is not None else user
 
 
 def _kind(node: torch.fx.Node, nodes: list[torch.fx.Node], finish: int) -> str:

@@ -24,6 +24,7 @@ __all__ = [
     "group_size",
     "is_collective",
     "is_wait",
+    "wait_of",
 ]
 
 _KINDS = {
@@ -87,7 +88,7 @@ def collectives(graph: torch.fx.Graph) -> list[Collective]:
         found.append(
             Collective(
                 node,
-                _wait_of(node),
+                wait_of(node),
                 _KINDS[name],
                 group,
                 _size(node, group),
@@ -167,7 +168,8 @@ def _size(node: torch.fx.Node, group: str) -> int:
     return group_size(group)
 
 
-def _wait_of(node: torch.fx.Node) -> torch.fx.Node | None:
+def wait_of(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The ``wait_tensor`` of collective ``node``'s result (None if nothing waits on it)."""
     for user in node.users:
         if is_wait(user):
             return user
