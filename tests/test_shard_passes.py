@@ -11,14 +11,8 @@ around a bucket only move data, and over 2 ranks every reduced element is ``a + 
 
 from __future__ import annotations
 
-import datetime
-import json
-import socket
-import time
-import traceback
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.fx
-import torch.multiprocessing as mp
+from gloo_workers import assert_passed, spawn_checks
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from sgraph._src import tree
@@ -568,56 +562,23 @@ def all_passes_on_a_traced_ddp_step_are_bitwise(rank: int, g: Any) -> None:
     _assert_bitwise(program, after, _inputs(rank, *[tuple(x.shape) for x in example]))
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _groups(rank: int, world: int) -> SimpleNamespace:
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
+    return SimpleNamespace(
+        mesh=mesh["dp"], dp=mesh.get_group("dp").group_name, tp=mesh.get_group("tp").group_name, size=world
     )
-    mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("dp", "tp"))
-    groups = SimpleNamespace(
-        mesh=mesh["dp"], dp=mesh.get_group("dp").group_name, tp=mesh.get_group("tp").group_name, size=WORLD
-    )
-    results = {}
-    for name, check in _CHECKS.items():
-        try:
-            check(rank, groups)
-            results[name] = ""
-        except Exception:  # recorded, reported by the test of that check
-            results[name] = traceback.format_exc()
-        dist.barrier()
-    dist.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict[str, str]]:
-    out_dir = tmp_path_factory.mktemp("shard_passes")
-    context = mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + 120
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the gloo worker processes did not finish within 120 s")
-    return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return spawn_checks(_CHECKS, WORLD, tmp_path_factory.mktemp("shard_passes"), _groups, seconds=120)
 
 
 @pytest.mark.parametrize("check", list(_CHECKS))
 def test_numbers_over_gloo(results: list[dict[str, str]], check: str) -> None:
-    for rank, result in enumerate(results):
-        assert result[check] == "", f"rank {rank}:\n{result[check]}"
+    assert_passed(results, check)
 
 
 def test_the_memory_analysis_keeps_a_collectives_input_until_its_wait(fake) -> None:

@@ -10,18 +10,11 @@ global-mean gradient (fp32, rtol 1e-5 for reduction order).
 from __future__ import annotations
 
 import copy
-import datetime
-import json
-import socket
-import time
-import traceback
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_workers import assert_passed, spawn_checks
 from torch import nn
 
 import sgraph as sg
@@ -253,50 +246,17 @@ def mixed_precision_is_refused(rank: int, mesh) -> None:
 # --------------------------------------------------------------------------- processes
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
+def _mesh(rank: int, world: int):
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (WORLD,))
-    results = {}
-    for name, check in _CHECKS.items():
-        try:
-            check(rank, mesh)
-            results[name] = ""
-        except (Exception, pytest.fail.Exception):  # recorded, reported by the test of that check
-            results[name] = traceback.format_exc()
-        dist.barrier()
-    dist.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return init_device_mesh("cpu", (world,))
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict[str, str]]:
-    out_dir = tmp_path_factory.mktemp("fsdp")
-    context = mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + 180
-    while not context.join(timeout=2):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the FSDP worker processes did not finish within 180 s")
-    return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return spawn_checks(_CHECKS, WORLD, tmp_path_factory.mktemp("fsdp"), _mesh, seconds=180)
 
 
 @pytest.mark.parametrize("check", list(_CHECKS))
 def test_fsdp(results: list[dict[str, str]], check: str) -> None:
-    for rank, result in enumerate(results):
-        assert result[check] == "", f"rank {rank}:\n{result[check]}"
+    assert_passed(results, check)

@@ -6,23 +6,18 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from gloo_workers import free_port
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _losses(command: list[str]) -> list[float]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()))
+    env.update(OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
     done = subprocess.run(command, cwd=EXAMPLES, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     return [float(x) for x in re.findall(r"loss (\d+\.\d+)", done.stdout)]
@@ -30,7 +25,7 @@ def _losses(command: list[str]) -> list[float]:
 
 def test_the_same_step_on_one_and_two_processes_gives_the_same_losses():
     one = _losses([sys.executable, "shard_mlp.py"])
-    port = f"--master_port={_free_port()}"
+    port = f"--master_port={free_port()}"
     two = _losses([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", port, "shard_mlp.py"])
     assert len(one) == len(two) == 4
     assert one[-1] < 0.6 * one[0]  # it trains

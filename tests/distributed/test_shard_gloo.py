@@ -10,18 +10,12 @@ order than one process does).
 
 from __future__ import annotations
 
-import datetime
-import json
-import socket
-import time
-import traceback
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_workers import assert_passed, spawn_checks
 from torch import nn
 
 import sgraph as sg
@@ -86,24 +80,33 @@ def _full(x):
     return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
-def _train(world: int, rank: int, mesh, spec, *, params=None, batch_of=None, donate=True):
-    """10 steps of the sharded static step; returns (losses, final params, the lowered step)."""
+def _static(step):
+    return sg.static(step, donate=("params", "opt_state"))
+
+
+def _fused(step):
+    return _static(sg.fuse(step))
+
+
+def _train(world: int, rank: int, mesh, spec, *, wrap=_static):
+    """10 steps of ``wrap(sharded step)`` (by default under sg.static, donating); returns
+    (losses, final params, the lowered step, the step)."""
     apply, full_params, buffers = sg.functional(_model())
-    params = sg.distribute(full_params, mesh, spec) if params is None else params
-    step = sg.static(donate=("params", "opt_state") if donate else ())(
-        sg.shard(mesh, params=spec, batch=sg.P("dp") if "dp" in mesh.mesh_dim_names else None)(
-            _step_for(apply, buffers)
-        )
-    )
+    params = sg.distribute(full_params, mesh, spec)
+    data_parallel = "dp" in mesh.mesh_dim_names
+    step = wrap(sg.shard(mesh, params=spec, batch=sg.P("dp") if data_parallel else None)(_step_for(apply, buffers)))
     state = OPT.init(params)
-    batch_of = batch_of or (lambda b: _rows(b, mesh.get_local_rank("dp")) if "dp" in mesh.mesh_dim_names else b)
+
+    def batch_of(batch):
+        return _rows(batch, mesh.get_local_rank("dp")) if data_parallel else batch
+
     lowered = step.lower(params, state, batch_of(_batches(world)[0]))
     losses = []
     for batch in _batches(world):
         params, state, loss = step(params, state, batch_of(batch))
         losses.append(_full(loss).item())
     assert step.trace_count == 2, step.trace_count  # .lower, then the first call: no retrace
-    return losses, params, lowered
+    return losses, params, lowered, step
 
 
 def _assert_matches(world: int, losses, params) -> None:
@@ -129,7 +132,7 @@ def ddp_matches_one_process(rank: int, world: int) -> None:
     from torch.distributed.tensor import Replicate
 
     mesh = sg.mesh(dp=world)
-    losses, params, lowered = _train(world, rank, mesh, sg.ddp("dp"))
+    losses, params, lowered, _ = _train(world, rank, mesh, sg.ddp("dp"))
     _assert_matches(world, losses, params)
     assert all(p.placements == (Replicate(),) for p in params.values())
     # traced: one all-reduce per gradient (4) and one for the loss's mean over ranks;
@@ -146,7 +149,7 @@ def fsdp_matches_one_process(rank: int, world: int) -> None:
     from torch.distributed.tensor import Shard
 
     mesh = sg.mesh(dp=world)
-    losses, params, lowered = _train(world, rank, mesh, sg.fsdp("dp"))
+    losses, params, lowered, _ = _train(world, rank, mesh, sg.fsdp("dp"))
     _assert_matches(world, losses, params)
     assert all(p.placements == (Shard(0),) for p in params.values())
     # traced: each parameter gathered for the forward (the backward reuses it), its
@@ -167,7 +170,7 @@ def tp_matches_one_process(rank: int, world: int) -> None:
     from torch.distributed.tensor import Replicate, Shard
 
     mesh = sg.mesh(tp=world)
-    losses, params, lowered = _train(world, rank, mesh, sg.tp(TP, axis="tp"))
+    losses, params, lowered, _ = _train(world, rank, mesh, sg.tp(TP, axis="tp"))
     _assert_matches(world, losses, params)
     assert params["0.weight"].placements == (Shard(0),) and params["2.weight"].placements == (Shard(1),)
     assert params["2.bias"].placements == (Replicate(),)
@@ -180,7 +183,7 @@ def fsdp_times_tp_matches_one_process(rank: int, world: int) -> None:
         return
     mesh = sg.mesh(dp=2, tp=world // 2)
     spec = sg.fsdp("dp") + sg.tp(TP, axis="tp")
-    losses, params, lowered = _train(world // 2, rank, mesh, spec)
+    losses, params, lowered, _ = _train(world // 2, rank, mesh, spec)
     _assert_matches(world // 2, losses, params)
     traced, counts = _counts(lowered.traced), _counts(lowered)
     assert traced.get("all_gather", 0) >= 4 and traced.get("reduce_scatter", 0) >= 4, traced
@@ -190,15 +193,7 @@ def fsdp_times_tp_matches_one_process(rank: int, world: int) -> None:
 @_check
 def plain_step_without_static_matches(rank: int, world: int) -> None:
     """sg.shard alone (no graph) runs the same traced program."""
-    mesh = sg.mesh(dp=world)
-    apply, full, buffers = sg.functional(_model())
-    step = sg.shard(mesh, params=sg.fsdp("dp"), batch=sg.P("dp"))(_step_for(apply, buffers))
-    params = sg.distribute(full, mesh, sg.fsdp("dp"))
-    state = OPT.init(params)
-    losses = []
-    for batch in _batches(world):
-        params, state, loss = step(params, state, _rows(batch, rank))
-        losses.append(_full(loss).item())
+    losses, params, _, _ = _train(world, rank, sg.mesh(dp=world), sg.fsdp("dp"), wrap=lambda step: step)
     _assert_matches(world, losses, params)
 
 
@@ -211,7 +206,7 @@ def returned_params_checkpoint_with_dcp(rank: int, world: int) -> None:
     import torch.distributed.checkpoint as dcp
 
     mesh = sg.mesh(dp=world)
-    _, params, _ = _train(world, rank, mesh, sg.fsdp("dp"))
+    _, params, _, _ = _train(world, rank, mesh, sg.fsdp("dp"))
     directory = [tempfile.mkdtemp() if rank == 0 else None]
     dist.broadcast_object_list(directory)
     dcp.save({"params": params}, checkpoint_id=directory[0])
@@ -229,16 +224,7 @@ def fused_fsdp_matches_one_process(rank: int, world: int) -> None:
     a compile costs tens of seconds on this CPU."""
     if world != 2:
         return
-    mesh = sg.mesh(dp=world)
-    apply, full, buffers = sg.functional(_model())
-    sharded = sg.shard(mesh, params=sg.fsdp("dp"), batch=sg.P("dp"))(_step_for(apply, buffers))
-    step = sg.static(donate=("params", "opt_state"))(sg.fuse(sharded))
-    params = sg.distribute(full, mesh, sg.fsdp("dp"))
-    state = OPT.init(params)
-    losses = []
-    for batch in _batches(world):
-        params, state, loss = step(params, state, _rows(batch, rank))
-        losses.append(_full(loss).item())
+    losses, params, _, step = _train(world, rank, sg.mesh(dp=world), sg.fsdp("dp"), wrap=_fused)
     assert step.last_compiled.stats.runtime == "inductor", step.last_compiled.stats
     _assert_matches(world, losses, params)
 
@@ -298,50 +284,16 @@ def wrong_specs_raise_naming_the_path(rank: int, world: int) -> None:
 # --------------------------------------------------------------------------- processes
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    results = {}
-    for name, check in _CHECKS.items():
-        try:
-            check(rank, world)
-            results[name] = ""
-        except (Exception, pytest.fail.Exception):  # recorded, reported by the test of that check
-            results[name] = traceback.format_exc()
-        dist.barrier()
-    dist.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(world: int, out_dir: Path) -> list[dict[str, str]]:
-    context = mp.spawn(_worker, args=(world, _free_port(), str(out_dir)), nprocs=world, join=False)
-    deadline = time.monotonic() + 240
-    while not context.join(timeout=2):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {world} worker processes did not finish within 240 s")
-    return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+def _world(rank: int, world: int) -> int:
+    return world
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda w: f"world{w}")
 def results(request, tmp_path_factory) -> list[dict[str, str]]:
-    return _spawn(request.param, tmp_path_factory.mktemp(f"shard{request.param}"))
+    out_dir = tmp_path_factory.mktemp(f"shard{request.param}")
+    return spawn_checks(_CHECKS, request.param, out_dir, _world, seconds=240)
 
 
 @pytest.mark.parametrize("check", list(_CHECKS))
 def test_shard(results: list[dict[str, str]], check: str) -> None:
-    for rank, result in enumerate(results):
-        assert result[check] == "", f"rank {rank}:\n{result[check]}"
+    assert_passed(results, check)
