@@ -57,13 +57,14 @@ def agree(
     store = dist.distributed_c10d._get_default_store()
     rank, world = dist.get_rank(), dist.get_world_size()
     prefix = f"sgraph/agree/{program.name}/{_next_round(program.name)}"
-    mine = {"hash": _hash(program), "inputs": _input_lines(program), "replicated": _checksums(program, tensors)}
+    inputs, sent = _input_lines(program), _collective_lines(program)
+    mine = {"hash": _hash(inputs + sent), "inputs": inputs, "replicated": _checksums(program, tensors)}
     store.set(f"{prefix}/{rank}", json.dumps(mine))
     everyone = _gather(store, prefix, world, timeout, program.name)
     message = _difference(program.name, everyone)
     if message is None:
         return
-    store.set(f"{prefix}/code/{rank}", "\n".join(_collective_lines(program)))
+    store.set(f"{prefix}/code/{rank}", "\n".join(sent))
     codes = _gather(store, f"{prefix}/code", world, timeout, program.name, decode=False)
     raise CaptureError(message + _code_difference(everyone, codes))
 
@@ -73,8 +74,8 @@ def _next_round(name: str) -> int:
     return _ROUNDS[name]
 
 
-def _hash(program: Program) -> str:
-    text = "\n".join(_input_lines(program) + _collective_lines(program))
+def _hash(lines: list[str]) -> str:
+    text = "\n".join(lines)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

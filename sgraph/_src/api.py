@@ -69,7 +69,8 @@ class Transformed:
         self._lock = threading.RLock()
         self._bound = weakref.ref(bound) if bound is not None else None
         self._methods: weakref.WeakKeyDictionary[Any, Transformed] = weakref.WeakKeyDictionary()
-        self._sharder = None if options.shard is None else Sharder(self.api, options.shard, ())
+        self._sharder = None if options.shard is None else Sharder(self.api, options.shard)
+        self._positional: dict[int, list[str]] = {}
         functools.update_wrapper(self, fn)
 
     @property
@@ -248,9 +249,13 @@ class Transformed:
         return Traced(program, signature, layout, self.options, self._counters, time.perf_counter() - start)
 
     def _named(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
-        """The arguments with their parameter names, in the order their leaves flatten."""
-        skip = 0 if self._bound is None else 1
-        names = positional_names(self.fn, len(args) + skip)[skip:]
+        """The arguments with their parameter names, in the order their leaves flatten
+        (the names of each count of positional arguments are read from the signature once:
+        a sharded step calls this on every call)."""
+        names = self._positional.get(len(args))
+        if names is None:
+            skip = 0 if self._bound is None else 1
+            names = self._positional[len(args)] = positional_names(self.fn, len(args) + skip)[skip:]
         return [*zip(names, args), *((k, kwargs[k]) for k in sorted(kwargs))]
 
     def _placed(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from . import tree
+from .dtensors import is_dtensor, local
 from .errors import ArgumentError, ArgumentTypeError
 from .sharding import (
     Layout,
@@ -71,12 +72,6 @@ def check_specs(api: str, device_mesh: Any, name: str, spec: Any) -> None:
                 )
 
 
-def _replicate_placement() -> Any:
-    from torch.distributed.tensor import Replicate
-
-    return Replicate()
-
-
 class Sharder:
     """Lays out a sharded step's arguments: plain tensors become DTensors of the specs'
     placements (a plain tensor is this rank's shard, as a data loader gives it; a
@@ -88,12 +83,11 @@ class Sharder:
     as they are.
     """
 
-    def __init__(self, api: str, options: ShardOptions, names: Sequence[str]) -> None:
+    def __init__(self, api: str, options: ShardOptions) -> None:
         self.api = api
         self.mesh = options.mesh
         self.specs = dict(options.specs)
         self.out = options.out
-        self.names = tuple(names)
         self._cache: dict[Any, list[Layout | None]] = {}
 
     def place(self, named: Sequence[tuple[str, Any]]) -> list[Any]:
@@ -105,7 +99,7 @@ class Sharder:
         placed = []
         for name, value in named:
             leaves, treedef = tree.flatten(value)
-            if not any(isinstance(x, torch.Tensor) and not _is_dtensor(x) for x in leaves):
+            if not any(isinstance(x, torch.Tensor) and not is_dtensor(x) for x in leaves):
                 placed.append(value)
                 continue
             key = (name, treedef, tuple(_leaf_key(x) for x in leaves))
@@ -114,7 +108,7 @@ class Sharder:
                 layouts = self._cache[key] = self._arg_layouts(name, value, named)
             out = [
                 DTensor.from_local(x, self.mesh, lay.stored, run_check=False)
-                if isinstance(x, torch.Tensor) and not _is_dtensor(x) and lay is not None
+                if isinstance(x, torch.Tensor) and not is_dtensor(x) and lay is not None
                 else x
                 for x, lay in zip(leaves, layouts)
             ]
@@ -128,7 +122,7 @@ class Sharder:
         for name, value, layouts in self._layouts(named):
             paths, leaves, _ = tree.flatten_with_paths(value, prefix=name)
             for path, leaf, lay in zip(paths, leaves, layouts):
-                if lay is not None and _is_dtensor(leaf):
+                if lay is not None and is_dtensor(leaf):
                     self._check_dtensor(path, leaf, lay)
                 found.append(lay.compute if lay is not None and lay.compute != lay.stored else None)
         return found
@@ -143,7 +137,7 @@ class Sharder:
             specs = broadcast_specs(self.api, "the result (out=)", self.out, result)
             paths, leaves, _ = tree.flatten_with_paths(result, prefix="result")
             return [
-                layout_of(self.api, s, self.mesh, path, tuple(leaf.shape), fqn).stored if _is_dtensor(leaf) else None
+                layout_of(self.api, s, self.mesh, path, tuple(leaf.shape), fqn).stored if is_dtensor(leaf) else None
                 for path, fqn, leaf, s in zip(paths, fqns(result), leaves, specs)
             ]
 
@@ -158,7 +152,7 @@ class Sharder:
         params = dict(named).get("params")
         follow = self._param_layouts(params) if "params" in self.specs and params is not None else {}
         return [
-            _followed(fqn, leaf, follow) or (None if _is_dtensor(leaf) else self._replicated(leaf))
+            _followed(fqn, leaf, follow) or (None if is_dtensor(leaf) else self._replicated(leaf))
             for fqn, leaf in zip(fqns(value), tree.leaves(value))
         ]
 
@@ -166,7 +160,7 @@ class Sharder:
         specs = broadcast_specs(self.api, name, spec, value)
         paths, leaves, _ = tree.flatten_with_paths(value, prefix=name)
         return [
-            layout_of(self.api, s, self.mesh, path, tuple(leaf.shape), fqn, whole=_is_dtensor(leaf))
+            layout_of(self.api, s, self.mesh, path, tuple(leaf.shape), fqn, whole=is_dtensor(leaf))
             if isinstance(leaf, torch.Tensor)
             else None
             for path, fqn, leaf, s in zip(paths, fqns(value), leaves, specs)
@@ -175,7 +169,7 @@ class Sharder:
     def _param_layouts(self, params: Any) -> dict[str, tuple[tuple[int, ...], Layout | None]]:
         layouts = self._of_spec("params", params, self.specs["params"])
         return {
-            fqn: (tuple(_local_shape(leaf)), lay)
+            fqn: (tuple(local(leaf).shape), lay)
             for fqn, leaf, lay in zip(fqns(params), tree.leaves(params), layouts)
             if isinstance(leaf, torch.Tensor)
         }
@@ -183,8 +177,7 @@ class Sharder:
     def _replicated(self, leaf: Any) -> Layout | None:
         if not isinstance(leaf, torch.Tensor):
             return None
-        whole = tuple(_replicate_placement() for _ in mesh_axes(self.mesh, self.api))
-        return Layout(self.mesh, whole, whole)
+        return layout_of(self.api, None, self.mesh, "", tuple(leaf.shape), "")
 
     def _check_dtensor(self, path: str, leaf: Any, lay: Layout) -> None:
         if leaf.device_mesh != self.mesh or tuple(leaf.placements) != lay.stored:
@@ -199,27 +192,19 @@ class Sharder:
 def _leaf_key(x: Any) -> Any:
     if not isinstance(x, torch.Tensor):
         return None
-    return (_is_dtensor(x), tuple(_local_shape(x)), x.dtype)
+    return (is_dtensor(x), tuple(local(x).shape), x.dtype)
 
 
 def _followed(fqn: str, leaf: Any, params: Mapping[str, tuple[tuple[int, ...], Layout | None]]) -> Layout | None:
     if not isinstance(leaf, torch.Tensor):
         return None
-    shape = tuple(_local_shape(leaf))
+    shape = tuple(local(leaf).shape)
     best, length = None, -1
     for name, (param_shape, lay) in params.items():
         matches = fqn == name or fqn.endswith("." + name)
         if matches and param_shape == shape and len(name) > length:
             best, length = lay, len(name)
     return best
-
-
-def _is_dtensor(x: Any) -> bool:
-    return type(x).__name__ == "DTensor"
-
-
-def _local_shape(x: Any) -> Sequence[int]:
-    return x._local_tensor.shape if _is_dtensor(x) else x.shape
 
 
 def check_shard_options(api: str, links: Any, bucket_bytes: Any, timeout: Any) -> None:

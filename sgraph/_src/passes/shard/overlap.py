@@ -17,7 +17,7 @@ from torch.fx import Node
 from ...program import Program, alias_root, written_args
 from .collectives import group_name, is_collective, is_wait
 
-__all__ = ["of_parameters", "overlap"]
+__all__ = ["is_view", "of_parameters", "overlap"]
 
 
 def overlap(program: Program) -> Program:
@@ -107,7 +107,7 @@ class _Schedule:
                 self.writes_before[node] = [last_write[r] for r in roots if r in last_write]
                 for root in roots:
                     readers.setdefault(root, []).append(node)
-            elif is_wait(node) or (_is_view(node) and _follows_collective(node, self.lazy)):
+            elif is_wait(node) or (is_view(node) and _follows_collective(node, self.lazy)):
                 self.lazy.add(node)
         position = {node: i for i, node in enumerate(self.nodes)}
         for lane, queue in self.queues.items():
@@ -210,7 +210,7 @@ def _sources(collective: Node) -> list[Node]:
     stack = list(collective.all_input_nodes)
     while stack:
         node = stack.pop()
-        if node.op != "placeholder" and (_is_view(node) or node.target in _CASTS) and not is_wait(node):
+        if node.op != "placeholder" and (is_view(node) or node.target in _CASTS) and not is_wait(node):
             stack.extend(node.all_input_nodes)
         elif node not in found:
             found.append(node)
@@ -233,7 +233,7 @@ def of_parameters(collective: Node) -> bool:
         node = stack.pop()
         if node.op == "placeholder":
             continue
-        if not (_is_view(node) or node.target in _CASTS):
+        if not (is_view(node) or node.target in _CASTS):
             return False
         stack.extend(node.all_input_nodes)
     return True
@@ -249,7 +249,8 @@ _CASTS = {
 }
 
 
-def _is_view(node: Node) -> bool:
+def is_view(node: Node) -> bool:
+    """Whether ``node`` returns a view of its first argument (``getitem`` counts)."""
     target = node.target
     if target is operator.getitem:
         return True

@@ -26,7 +26,7 @@ from ...capture import SOURCE_KEY
 from ...program import Program
 from ..memory.remat import RECOMPUTED_KEY, Group, forward_end, rematerialize
 from .collectives import collectives
-from .overlap import of_parameters
+from .overlap import is_view, of_parameters
 
 __all__ = ["regather"]
 
@@ -76,16 +76,6 @@ def _read_by(gather: torch.fx.Node, wait: torch.fx.Node, backward: set[torch.fx.
         for user in node.users:
             if user in backward:
                 read = True
-            elif _is_view_of(user, node):
+            elif user.args and user.args[0] is node and is_view(user):
                 stack.append(user)
     return found if read else []
-
-
-def _is_view_of(user: torch.fx.Node, base: torch.fx.Node) -> bool:
-    target = user.target
-    if user.op != "call_function" or not user.args or user.args[0] is not base:
-        return False
-    if not isinstance(target, torch._ops.OpOverload):
-        return False
-    returns = target._schema.returns
-    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
