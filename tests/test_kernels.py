@@ -105,3 +105,27 @@ def test_a_target_out_of_range_makes_its_row_nan_not_a_wrong_number(device):
     if device == "cpu":  # on CUDA, ATen's gather asserts on the device, poisoning the process
         with pytest.raises((RuntimeError, IndexError)):
             cross_entropy_rows_reference(z.clone(), target, scale, -100, eps)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_cross_entropy_holds_inside_what_the_memory_analysis_counts(dtype):
+    rows, features, classes = 8192, 256, 32768  # two chunks of 4096 rows
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, features, device="cuda", generator=g).to(dtype)
+    w = torch.randn(classes, features, device="cuda", generator=g).to(dtype)
+    y = torch.randint(0, classes, (rows,), device="cuda", generator=g)
+    torch.mm(x[:8], w[:8].t())  # this stream's cuBLAS workspace exists before the measurement
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    outputs = torch.ops.sgraph.linear_cross_entropy(x, w, y, -100, 0.0, True)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+
+    def blocks(nbytes):
+        return -(-nbytes // 512) * 512
+
+    counted = sum(blocks(t.untyped_storage().nbytes()) for t in outputs)
+    counted += sum(blocks(nbytes) for nbytes, _ in lce.scratch_bytes(x, w))
+    assert counted <= peak <= counted + 2**20, (peak / 2**20, counted / 2**20)  # + per-row losses, scalars

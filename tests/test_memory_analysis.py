@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from models_for_tests import mlp
 
 import sgraph as sg
-from sgraph._src.passes.memory.analysis import _nbytes
+from sgraph._src.passes.memory.analysis import _live, _nbytes
 
 X = torch.randn(256)  # 1024 bytes
 
@@ -119,3 +119,79 @@ def test_the_plot_renders_a_png_with_every_kind_and_the_peak(tmp_path):
     assert "peak 3072 B at %add" in axes.texts[0].get_text() and "%mul 1024 B temporary" in axes.texts[0].get_text()
     assert m.by_kind_timeline()["temporary"] == [0, 1024, 2048, 1024, 0]
     assert "data:image/png;base64," in m._repr_html_()
+
+
+def cuda_fakes(*shapes):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return [torch.empty(*shape, device="cuda") for shape in shapes]
+
+
+def test_a_cuda_step_holds_the_cublas_workspaces_from_its_first_matmul(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE", raising=False)
+
+    def step(a, b):
+        return (a.relu() @ b).sum()
+
+    a, b = cuda_fakes((64, 32), (32, 16))  # fake CUDA tensors: analysed without a GPU
+    lowered = sg.static(step).lower(a, b)
+    m = lowered.memory_analysis()
+    ops = [n.name for n in lowered.program.graph.nodes]
+    spaces = {x.name: x for x in m.buffers if x.kind == "workspace"}
+    assert set(spaces) == {"cublas_workspace", "cublaslt_workspace"}
+    first_matmul = ops.index("mm")
+    assert all((s.start, s.end) == (first_matmul, len(ops) - 1) for s in spaces.values())
+    hopper = 32 * 2**20 if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] >= 9 else None
+    if hopper is not None:
+        assert spaces["cublas_workspace"].nbytes == hopper
+    assert spaces["cublaslt_workspace"].nbytes == 2**20
+    assert m.by_kind["workspace"] == sum(s.nbytes for s in spaces.values())
+    assert m.timeline[first_matmul - 1] < 2**20 < m.timeline[first_matmul]  # not before the matmul
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")  # torch's syntax: KiB:count pairs
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "2048")
+    m = sg.static(step).lower(a, b).memory_analysis()
+    sizes = {x.name: x.nbytes for x in m.buffers if x.kind == "workspace"}
+    assert sizes == {"cublas_workspace": (4096 * 2 + 16 * 8) * 1024, "cublaslt_workspace": 2048 * 1024}
+
+
+def test_a_cuda_step_without_matmuls_and_a_cpu_step_hold_no_workspace():
+    def step(a):
+        return (a * 2).sum()
+
+    def matmul(a, b):
+        return a @ b
+
+    (a,) = cuda_fakes((64, 32))
+    assert "workspace" not in sg.static(step).lower(a).memory_analysis().by_kind
+    on_cpu = sg.static(matmul).lower(X.view(16, 16), X.view(16, 16)).memory_analysis()
+    assert all(x.kind != "workspace" for x in on_cpu.buffers)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_cross_entropy_counts_the_logits_chunk_it_holds_inside(dtype):
+    from sgraph._src.kernels.linear_cross_entropy import chunk_rows
+
+    rows, features, classes = 256, 16, 1024
+    params = {"head": torch.randn(classes, features, dtype=dtype)}
+    batch = (torch.randn(rows, features, dtype=dtype), torch.randint(0, classes, (rows,)))
+
+    def step(params, batch):
+        x, y = batch
+        loss, grads = sg.value_and_grad(lambda p: F.cross_entropy(x @ p["head"].T, y))(params)
+        return {"head": params["head"] - 0.1 * grads["head"]}, loss
+
+    lowered = sg.fuse(step).lower(params, batch)
+    m = lowered.memory_analysis()
+    nodes = list(lowered.program.graph.nodes)
+    op = next(i for i, n in enumerate(nodes) if "linear_cross_entropy" in str(n.target))
+    inside = [x for x in m.buffers if x.name.startswith(nodes[op].name + ".inside")]
+    logits = chunk_rows(rows, classes) * classes * dtype.itemsize
+    running_grad_w = [] if dtype == torch.float32 else [classes * features * 4]
+    assert [x.nbytes for x in inside] == [logits, *running_grad_w]
+    assert all((x.start, x.end, x.kind) == (op, op, "workspace") for x in inside)
+    assert "test_memory_analysis.py" in inside[0].source  # the user's line of the loss
+    without = [x for x in m.buffers if x not in inside]
+    assert m.timeline[op] == _live(without, len(nodes))[op] + sum(x.nbytes for x in inside)

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .cross_entropy_rows import cross_entropy_rows_, cross_entropy_rows_reference, triton_available
 
-__all__ = ["linear_cross_entropy", "chunk_rows"]
+__all__ = ["linear_cross_entropy", "chunk_rows", "scratch_bytes"]
 
 _CHUNK_ELEMENTS = 1 << 27  # logits per chunk: 256 MiB in bf16
 
@@ -28,6 +28,18 @@ _CHUNK_ELEMENTS = 1 << 27  # logits per chunk: 256 MiB in bf16
 def chunk_rows(rows: int, classes: int) -> int:
     """Rows per chunk: about 128M logits, at least 128 rows, at most all of them."""
     return max(1, min(rows, max(128, _CHUNK_ELEMENTS // max(classes, 1))))
+
+
+def scratch_bytes(x: Tensor, weight: Tensor) -> list[tuple[int, str]]:
+    """What the op holds inside beyond its three outputs, at its peak: one chunk of
+    logits and, for low-precision inputs, the fp32 running ``grad_W`` (for fp32 inputs
+    that is the returned ``grad_W`` itself). A chunk's low-precision ``grad_W`` product
+    is as large as the returned ``grad_W``, which does not exist yet while it does."""
+    rows, classes = x.shape[0], weight.shape[0]
+    found = [(chunk_rows(rows, classes) * classes * x.element_size(), "one chunk of logits")]
+    if x.dtype != torch.float32:
+        found.append((weight.numel() * 4, "fp32 running grad_W"))
+    return found
 
 
 @torch.library.custom_op("sgraph::linear_cross_entropy", mutates_args=())

@@ -198,9 +198,7 @@ def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
 
 def _check_plan(program: Program, allocated: int, reserved: int) -> None:
     """Warn, with the predicted breakdown, when a planned step went over its budget, or
-    (with no budget) over 10% and 128 MiB beyond the planned peak: the warm-up and
-    the capture run on streams of their own, each with cuBLAS and cuBLASLt workspaces
-    (32 MiB and more apiece on Hopper), which no plan of the step's tensors sees."""
+    (with no budget) over 10% and 128 MiB beyond the planned peak."""
     from ..passes.memory.analysis import memory_analysis
 
     predicted = memory_analysis(program)
@@ -213,9 +211,9 @@ def _check_plan(program: Program, allocated: int, reserved: int) -> None:
         f"{program.name}: the first step allocated {allocated / 2**20:.0f} MiB at its peak ({reserved / 2**20:.0f} "
         f"MiB reserved), over the {limit / 2**20:.0f} MiB allowed by sg.plan_memory's plan of "
         f"{predicted.peak_bytes / 2**20:.0f} MiB (MiB by kind at "
-        f"the planned peak: {kinds}). The difference is memory the plan does not see: library workspaces, "
-        "copies of inputs that are not donated, buffers of generated kernels, or tensors allocated outside the "
-        "step. Lower the budget by that much to fit.",
+        f"the planned peak: {kinds}). The difference is memory the plan does not see: copies of inputs that "
+        "are not donated, buffers generated kernels keep to themselves, workspaces of libraries other than "
+        "cuBLAS, or tensors allocated outside the step. Lower the budget by that much to fit.",
         SgraphWarning,
         stacklevel=6,
     )

@@ -8,10 +8,17 @@ a multi-output op (a foreach op, layer norm's mean and rstd) is its own buffer. 
 sizes come from the fake tensors the trace recorded, so a step meant for a large GPU
 is analysed on any machine.
 
-Not counted: memory inside an op (library workspaces, the buffers a generated
-kernel keeps to itself), the CUDA-graph runtime's copies of non-donated inputs and
-of returned values, and allocator fragmentation. CUDA buffers are rounded up to the
-caching allocator's 512-byte blocks.
+Two kinds of memory no tensor of the graph shows are counted as ``workspace``: the
+cuBLAS and cuBLASLt workspaces of the stream a CUDA step runs on, from its first
+matmul to its end (``sg.static`` runs the step on a stream of its own, so they are
+the step's; ``CUBLAS_WORKSPACE_CONFIG`` and ``CUBLASLT_WORKSPACE_SIZE`` are read as
+torch reads them), and the buffers sgraph's own kernels allocate inside the op
+(the chunk of logits of the fused linear + cross-entropy), during that op.
+
+Not counted: the memory of other ops' insides (cuDNN workspaces, the buffers a
+generated kernel keeps to itself), the CUDA-graph runtime's copies of non-donated
+inputs and of returned values, and allocator fragmentation. CUDA buffers are rounded
+up to the caching allocator's 512-byte blocks.
 """
 
 from __future__ import annotations
@@ -186,6 +193,7 @@ def memory_analysis(program: Program) -> MemoryAnalysis:
         finish = end if node in live_to_end else max(start, last_read.get(node, start))
         kind = "output" if node in live_to_end else _kind(node, nodes, finish)
         buffers.append(_buffer(node, kind, start, finish))
+    buffers += _inside_ops(nodes) + _library_workspaces(nodes)
     return _summary(program.name, nodes, buffers)
 
 
@@ -229,6 +237,78 @@ def _kind(node: torch.fx.Node, nodes: list[torch.fx.Node], finish: int) -> str:
     if reader_source is not None and reader_source.backward:
         return "activation"
     return "temporary"
+
+
+_CUBLAS_OPS = frozenset(
+    f"aten::{name}"
+    for name in ("mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "addmv", "mv", "dot", "_scaled_mm")
+) | {"sgraph::linear_cross_entropy"}
+
+
+def _library_workspaces(nodes: list[torch.fx.Node]) -> list[Buffer]:
+    """The cuBLAS and cuBLASLt workspaces, from the first CUDA matmul to the end:
+    allocated on a stream's first matmul and kept by torch for the stream's life."""
+    for i, node in enumerate(nodes):
+        if _op_name(node) not in _CUBLAS_OPS:
+            continue
+        val = node.meta.get("val")
+        out = val[0] if isinstance(val, (tuple, list)) else val
+        if not isinstance(out, torch.Tensor) or out.device.type != "cuda":
+            return []
+        device = out.device
+        end = len(nodes) - 1
+        return [
+            Buffer("cublas_workspace", _cublas_workspace_bytes(device), "workspace", i, end, "cuBLAS workspace"),
+            Buffer("cublaslt_workspace", _cublaslt_workspace_bytes(), "workspace", i, end, "cuBLASLt workspace"),
+        ]
+    return []
+
+
+def _cublas_workspace_bytes(device: torch.device) -> int:
+    """torch's cuBLAS workspace per handle and stream: ``CUBLAS_WORKSPACE_CONFIG``
+    (``:SIZE_KiB:COUNT`` pairs) if set, else 32 MiB on Hopper (compute capability 9)
+    and later, 8 MiB + 128 KiB before. Without a GPU to ask, Hopper's is assumed."""
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")
+    pairs = re.findall(r":(\d+):(\d+)", config)
+    if pairs:
+        return sum(int(size) * int(count) for size, count in pairs) * 1024
+    major = 9
+    if torch.cuda.is_available():
+        major = torch.cuda.get_device_capability(device.index if device.index is not None else None)[0]
+    return (4096 * 8 if major >= 9 else 4096 * 2 + 16 * 8) * 1024
+
+
+def _cublaslt_workspace_bytes() -> int:
+    """torch's cuBLASLt workspace: ``CUBLASLT_WORKSPACE_SIZE`` KiB, 1 MiB by default."""
+    size = os.environ.get("CUBLASLT_WORKSPACE_SIZE", "")
+    return int(size) * 1024 if size.isdigit() else 2**20
+
+
+def _inside_ops(nodes: list[torch.fx.Node]) -> list[Buffer]:
+    """What sgraph's own kernels allocate inside the op, beyond their outputs, live
+    during the op (the sizes come from the kernel's own accounting)."""
+    from ...kernels import scratch_bytes
+
+    found = []
+    for i, node in enumerate(nodes):
+        if not _op_name(node).startswith("sgraph::"):
+            continue
+        args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
+        for k, (nbytes, describe) in enumerate(scratch_bytes(_op_name(node), args)):
+            device = args[0].device if isinstance(args[0], torch.Tensor) else torch.device("cpu")
+            if device.type == "cuda":
+                nbytes = -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK
+            source = node.meta.get(SOURCE_KEY)
+            where = source.short() if source is not None else ""
+            found.append(Buffer(f"{node.name}.inside{k}", nbytes, "workspace", i, i, describe, where))
+    return found
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    if node.op != "call_function":
+        return ""
+    schema = getattr(node.target, "_schema", None)
+    return schema.name if schema is not None else ""
 
 
 def _input_kinds(program: Program) -> dict[torch.fx.Node, str]:
@@ -300,8 +380,8 @@ def _highest_per_bin(timeline: tuple[int, ...], bins: int) -> list[int]:
 
 
 def _kind_order(kind: str) -> tuple[int, str]:
-    rank = {"output": 4, "temporary": 3, "gradient": 2, "activation": 1}
-    return (0 if kind.startswith("input:") else rank.get(kind, 5), kind)
+    rank = {"workspace": 5, "output": 4, "temporary": 3, "gradient": 2, "activation": 1}
+    return (0 if kind.startswith("input:") else rank.get(kind, 6), kind)
 
 
 def _mib(nbytes: int) -> str:
