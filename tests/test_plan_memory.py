@@ -11,7 +11,7 @@ from models_for_tests import classification_batches, gpt_loss, mlp, run_steps, t
 
 import sgraph as sg
 from sgraph._src.passes.memory.remat import RECOMPUTED_KEY, forward_end, groups
-from sgraph._src.runtime.inductor import _COPY_RUN, _POSITION, _KeepCopiesInPlace
+from sgraph._src.runtime.inductor import _COPY_RUN, _POSITION, _KeepCopiesInPlace, _sink_copies
 from sgraph._src.source import MODULE_KEY
 
 X = torch.randn(256)  # 1024 bytes
@@ -279,13 +279,39 @@ def test_a_copy_fuses_with_nothing_placed_before_its_run():
     assert fuses(twin, later) and fuses(reader, twin)  # no copy in either
 
 
+def _ordered(name, reads=(), waits=()):
+    """A stand-in for a scheduler node making buffer ``name``, reading ``reads`` and
+    ordered after the readers ``waits`` (how Inductor records a later mutation)."""
+    deps = [SimpleNamespace(name=n) for n in (*reads, *waits)]
+    return SimpleNamespace(
+        name=name, get_buffer_names=lambda: {name}, read_writes=SimpleNamespace(reads=deps), unmet_dependencies=()
+    )
+
+
+def test_copies_sink_to_just_before_what_depends_on_them():
+    forward = _ordered("forward")
+    copy = _ordered("copy", reads=["forward"])
+    chained = _ordered("chained", reads=["copy"])
+    unrelated = _ordered("unrelated")
+    writes_input = _ordered("writes_input", waits=["other_copy"])  # mutates what other_copy reads
+    other_copy = _ordered("other_copy", reads=["forward"])
+    reader = _ordered("reader", reads=["chained", "other_copy"])
+    order = [forward, copy, chained, other_copy, unrelated, writes_input, reader]
+    copies = {"copy", "chained", "other_copy"}
+    sunk = [n.name for n in _sink_copies(order, lambda n: n.name in copies)]
+    assert sunk == ["forward", "unrelated", "other_copy", "writes_input", "copy", "chained", "reader"]
+    last = _ordered("last_copy", reads=["forward"])  # read by nothing: it sinks to the end
+    assert [n.name for n in _sink_copies([forward, last, unrelated], lambda n: n is last)][-1] == "last_copy"
+
+
 @pytest.mark.slow
 def test_the_fusion_rule_is_set_only_while_compiling(fused_mlp):
-    from torch._inductor import config
+    from torch._inductor import config, memory
     from torch._inductor.virtualized import V
 
     assert config.post_grad_custom_post_pass is None
     assert not isinstance(V.choices, _KeepCopiesInPlace)
+    assert memory.reorder_for_peak_memory.__module__ == "torch._inductor.memory"
 
 
 # ------------------------------------------------------------------ options

@@ -23,7 +23,7 @@ import hashlib
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -171,11 +171,13 @@ def copies_in_place(gm: torch.fx.GraphModule) -> Iterator[None]:
     nodes of unknown provenance are left to Inductor. The pass is patched into the
     config like sgraph's other settings (it marks nothing in another graph) and keys
     Inductor's caches, so kernels cached under another rule are not reused. Combo
-    kernels are off. Inductor's reordering for peak memory stays on. It may move a copy
-    up next to its twin again (on CPU a few of the tiny GPT's copies end up there).
-    Without it, though, the backward's weight gradients run at the end of the backward,
-    and every layer's MLP gradient stays alive until then: on the H200, gpt-med's
-    planned peak was 9075 MiB without it and 8802 MiB with it.
+    kernels are off. Inductor's reordering for peak memory stays on (without it the
+    backward's weight gradients run at the end of the backward, and every layer's MLP
+    gradient stays alive until then: on the H200, gpt-med's planned peak was 9075 MiB
+    without it and 8802 MiB with it), but the order it picks by its own estimate may
+    hoist copies into the forward (gpt-med under a 6 GiB budget: recomputed matmuls of
+    most layers ran in the forward). So each kernel holding a copy is then moved back
+    down to just before the first kernel that depends on it (:func:`_sink_copies`).
 
     Args:
         gm: the graph given to ``compile_fx``; its copies carry ``RECOMPUTED_KEY``
@@ -196,8 +198,67 @@ def copies_in_place(gm: torch.fx.GraphModule) -> Iterator[None]:
     # Combo kernels group independent nodes without asking ``can_fuse``: a copy could
     # land in a combo kernel with its twin.
     patch = config.patch(post_grad_custom_post_pass=mark, combo_kernels=False)
-    with patch, V.set_choices_handler(_KeepCopiesInPlace(V.choices)):
+    rule = _KeepCopiesInPlace(V.choices)
+    with patch, V.set_choices_handler(rule), _sinking_copies(rule):
         yield
+
+
+_SINKING = threading.local()  # the fusion rule of this thread's compile of a planned step
+
+
+@contextlib.contextmanager
+def _sinking_copies(rule: _KeepCopiesInPlace) -> Iterator[None]:
+    """While compiling in this thread, follow Inductor's reordering for peak memory by
+    :func:`_sink_copies`. Inductor looks ``reorder_for_peak_memory`` up in its module
+    when it runs, so it is wrapped there for the compile only; the wrapper changes
+    nothing for another thread's compile."""
+    from torch._inductor import memory
+
+    original = memory.reorder_for_peak_memory
+
+    def reorder(nodes: list[Any], *args: Any, **kwargs: Any) -> list[Any]:
+        order = original(nodes, *args, **kwargs)
+        active = getattr(_SINKING, "rule", None)
+        return order if active is None else _sink_copies(order, lambda n: active.placed(n)[1] is not None)
+
+    memory.reorder_for_peak_memory = reorder
+    _SINKING.rule = rule
+    try:
+        yield
+    finally:
+        _SINKING.rule = None
+        memory.reorder_for_peak_memory = original
+
+
+def _sink_copies(order: list[Any], is_copy: Callable[[Any], bool]) -> list[Any]:
+    """``order`` (Inductor's scheduler nodes, a valid run order) with each node holding
+    a recomputed copy moved down to just before the first node depending on it, so the
+    copy is made as late as it can be and lives no longer than the plan counted.
+
+    A node depends on another when it reads one of its buffers or must wait for it:
+    Inductor records a mutation as a dependency of the mutating node on every earlier
+    reader of the buffer, so no copy moves past a write to what it reads. Nodes are
+    taken from the last, so a chain of copies sinks as a whole below its reader."""
+    order = list(order)
+    needs: dict[int, set[str]] = {}
+
+    def needed_by(node: Any) -> set[str]:
+        if id(node) not in needs:
+            deps = (*node.read_writes.reads, *getattr(node, "unmet_dependencies", ()))
+            needs[id(node)] = {dep.name for dep in deps}
+        return needs[id(node)]
+
+    for i in range(len(order) - 1, -1, -1):
+        node = order[i]
+        if not is_copy(node):
+            continue
+        made = set(node.get_buffer_names())
+        j = i + 1
+        while j < len(order) and not made & needed_by(order[j]):
+            j += 1
+        if j - 1 > i:
+            order.insert(j - 1, order.pop(i))
+    return order
 
 
 def _placement(graph: torch.fx.Graph) -> tuple[dict[str, int], dict[str, int]]:
@@ -274,14 +335,14 @@ class _KeepCopiesInPlace:
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
-        self._leaves: dict[str, tuple[int | None, int | None]] = {}  # scheduler node name -> _placed
+        self._leaves: dict[str, tuple[int | None, int | None]] = {}  # scheduler node name -> _leaf
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
     def can_fuse(self, scheduler: Any, node1: Any, node2: Any, shared_data_score: int) -> bool:
         try:
-            placed1, placed2 = self._placed(node1), self._placed(node2)
+            placed1, placed2 = self.placed(node1), self.placed(node2)
         except AttributeError:  # a scheduler node of another shape: leave the decision to Inductor
             placed1 = placed2 = (None, None)
         if _moves_earlier(placed1, placed2) or _moves_earlier(placed2, placed1):
@@ -289,7 +350,7 @@ class _KeepCopiesInPlace:
             return False
         return bool(self._inner.can_fuse(scheduler, node1, node2, shared_data_score))
 
-    def _placed(self, node: Any) -> tuple[int | None, int | None]:
+    def placed(self, node: Any) -> tuple[int | None, int | None]:
         """Where the earliest op of a (fused) scheduler node sits, and the earliest run
         start of the copies it computes (None: unknown, or no copies)."""
         leaves = [self._leaf(leaf) for leaf in node.get_nodes()]
