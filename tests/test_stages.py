@@ -59,6 +59,25 @@ def test_lower_runs_the_passes_and_compile_is_callable():
     assert torch.equal(new["w"], expected[0]["w"]) and torch.equal(metrics["loss"], expected[1]["loss"])
 
 
+def test_graph_code_is_generated_on_the_first_eager_call_only(monkeypatch):
+    generated = []
+    recompile = torch.fx.GraphModule.recompile
+
+    def counting(self):
+        generated.append(self)
+        return recompile(self)
+
+    monkeypatch.setattr(torch.fx.GraphModule, "recompile", counting)
+    params, batch = args()
+    expected = step({"w": params["w"].clone()}, batch)
+    compiled = sg.static(step, donate="params").lower(params, batch).compile()
+    assert generated == []  # tracing and the passes only read and edit graphs
+    new, metrics = compiled(params, batch)
+    assert torch.equal(new["w"], expected[0]["w"]) and torch.equal(metrics["loss"], expected[1]["loss"])
+    compiled(new, batch)
+    assert len(generated) == 1
+
+
 def test_compiled_rejects_another_signature():
     params, batch = args()
     compiled = sg.static(step).trace(params, batch).lower().compile()

@@ -16,6 +16,7 @@ from typing import Any, cast
 
 import torch
 import torch.fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .capture import SOURCE_KEY, Source
 from .text import describe_tensor
@@ -107,10 +108,14 @@ class Program:
         return dataclasses.replace(self, **changes)
 
     def copy_graph_module(self) -> torch.fx.GraphModule:
-        """A new graph module over a copy of the graph, for a pass to edit."""
+        """A new graph module over a copy of the graph, for a pass to edit.
+
+        Its Python code is generated on its first call, not here: most passes only
+        read and edit the graph, and generating code for a large graph takes a
+        noticeable fraction of a second each time."""
         graph = torch.fx.Graph()
         graph.output(graph.graph_copy(self.graph, {}))
-        return torch.fx.GraphModule(self.graph_module, graph)
+        return _LazyGraphModule(self.graph_module, graph)
 
     def written_inputs(self) -> set[int]:
         """Placeholder indices the graph writes into, directly or through a view."""

@@ -24,6 +24,7 @@ from typing import Any, cast
 
 import torch
 import torch.fx
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import guards, tree
@@ -156,7 +157,9 @@ def trace(
         cast(int, info.graph_index) for i, info in enumerate(inputs) if i in layout.donated_leaves and info.is_tensor
     )
     flat_fn, result = _flat_step(fn, api, in_spec, leaves, bound, kernels, compute, out_layout)
-    with _TRACE_LOCK, guards.tracing() as modules, compute_scope():  # GuardMode adds the sync and RNG guards
+    # GuardMode adds the sync and RNG guards. The graph modules made here generate
+    # their Python code when first called (only an eager run calls them), not here.
+    with _TRACE_LOCK, guards.tracing() as modules, compute_scope(), _use_lazy_graph_module(True):
         autograd_graph = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
         functional = _functionalize(autograd_graph, tensors, api)
     _check_outputs(api, result["spec"], result["leaves"])
