@@ -64,20 +64,23 @@ def donation(program: Program) -> Program:
 def _match(program: Program, values: list, inputs: list) -> list[tuple[int, int]]:
     leaves = program.tensor_inputs
     outputs = [o for o in program.outputs if o.is_tensor]
-    returned_inputs = {v for v in values if isinstance(v, Node) and v.op == "placeholder"}
+    positions: dict[Node, list[int]] = {}  # output value -> the outputs returning it
+    for o in outputs:
+        positions.setdefault(values[cast(int, o.graph_index)], []).append(cast(int, o.graph_index))
     aliases: list[tuple[int, int]] = []
     used: set[int] = set()
     for index in sorted(program.donated):
-        same = [cast(int, o.graph_index) for o in outputs if values[cast(int, o.graph_index)] is inputs[index]]
+        same = positions.get(inputs[index], [])
         if same:
             aliases.append((same[0], index))
             used.update(same)
     matched = {i for _, i in aliases}
+    candidates = _Candidates(outputs, values)
     for index in sorted(program.donated - program.written_inputs() - matched):
         if _overlaps_itself(inputs[index]):
             _warn_unused(program, index, "its elements share memory (an expanded view), so it cannot hold a result")
             continue
-        choice = _choose(leaves[index], outputs, values, returned_inputs, used)
+        choice = candidates.choose(leaves[index], used)
         if choice is None:
             _warn_unused(program, index)
             continue
@@ -86,20 +89,32 @@ def _match(program: Program, values: list, inputs: list) -> list[tuple[int, int]
     return aliases
 
 
-def _choose(leaf: LeafInfo, outputs: list[LeafInfo], values: list, returned_inputs: set, used: set[int]) -> int | None:
-    """The output donated ``leaf`` receives: same path within its argument first, then first fit."""
-    want = (leaf.shape, leaf.dtype, leaf.device)
-    fits = [
-        cast(int, o.graph_index)
-        for o in outputs
-        if (o.shape, o.dtype, o.device) == want
-        and o.graph_index not in used
-        and values[cast(int, o.graph_index)] not in returned_inputs
-    ]
-    suffix = _within_argument(leaf.path)
-    by_path = [i for i in fits if _within_argument(outputs[i].path) == suffix and suffix]
-    found = by_path or fits
-    return found[0] if found else None
+class _Candidates:
+    """The outputs a donated input may receive (none that is an input returned
+    unchanged), grouped by shape, dtype and device, and by path within their argument,
+    each group in flattening order: a step has hundreds of donated leaves."""
+
+    def __init__(self, outputs: list[LeafInfo], values: list) -> None:
+        returned_inputs = {v for v in values if isinstance(v, Node) and v.op == "placeholder"}
+        self.fits: dict[tuple, list[int]] = {}
+        self.by_path: dict[tuple, list[int]] = {}
+        for o in outputs:
+            index = cast(int, o.graph_index)
+            if values[index] in returned_inputs:
+                continue
+            key = (o.shape, o.dtype, o.device)
+            self.fits.setdefault(key, []).append(index)
+            self.by_path.setdefault((key, _within_argument(o.path)), []).append(index)
+
+    def choose(self, leaf: LeafInfo, used: set[int]) -> int | None:
+        """The output donated ``leaf`` receives: same path within its argument first, then first fit."""
+        key = (leaf.shape, leaf.dtype, leaf.device)
+        suffix = _within_argument(leaf.path)
+        for group in (self.by_path.get((key, suffix), []) if suffix else [], self.fits.get(key, [])):
+            found = next((i for i in group if i not in used), None)
+            if found is not None:
+                return found
+        return None
 
 
 def _within_argument(path: str) -> str:
