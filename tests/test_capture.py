@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import inspect
 import re
+import subprocess
+import sys
 import traceback
 
 import pytest
@@ -132,6 +134,12 @@ def test_data_dependent_error_carries_no_torch_internals():
     shown = "".join(traceback.format_exception(info.value))
     assert info.value.__cause__ is None and info.value.__suppress_context__
     assert "GuardOnDataDependentSymNode" not in shown and "TORCH_LOGS" not in shown, shown
+
+
+def test_importing_sgraph_leaves_sympy_to_the_first_trace():
+    code = "import sys, torch; before = 'sympy' in sys.modules; import sgraph; print(before, 'sympy' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() in (["False", "False"], ["True", "True"]), result.stdout
 
 
 def host_tolist_2d(x):

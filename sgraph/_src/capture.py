@@ -21,6 +21,7 @@ in the tracing thread only.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import sys
 from collections.abc import Callable
@@ -124,7 +125,7 @@ class GuardMode(TorchFunctionMode):
             out = func(*args, **kwargs)
         except SgraphError:
             raise
-        except _DATA_DEPENDENT:
+        except _data_dependent_errors():
             raise CaptureError(_data_dependent_message(self.api, _torch_name(func), user_source())) from None
         except Exception as e:
             _raise_located(e, self.api, user_source())
@@ -238,7 +239,7 @@ class SourceMode(TorchDispatchMode):
             out = func(*args, **kwargs)
         except SgraphError:
             raise
-        except _DATA_DEPENDENT:
+        except _data_dependent_errors():
             raise CaptureError(self._data_dependent(func, args)) from None
         except Exception as e:
             _raise_located(e, self.api, self._source())
@@ -371,7 +372,10 @@ def _has_symbolic_shape(out: Any) -> bool:
     )
 
 
+@functools.cache
 def _data_dependent_errors() -> tuple[type[BaseException], ...]:
+    """The errors torch raises for a data-dependent shape or value; looked up on the
+    first error, not at import (``symbolic_shapes`` imports sympy, ~0.5 s)."""
     from torch._subclasses import fake_tensor
 
     names = ("DynamicOutputShapeException", "DataDependentOutputException")
@@ -383,9 +387,6 @@ def _data_dependent_errors() -> tuple[type[BaseException], ...]:
     except ImportError:
         pass
     return found
-
-
-_DATA_DEPENDENT = _data_dependent_errors()
 
 
 def _tracing_graph() -> torch.fx.Graph | None:
