@@ -195,3 +195,16 @@ def test_the_fused_cross_entropy_counts_the_logits_chunk_it_holds_inside(dtype):
     assert "test_memory_analysis.py" in inside[0].source  # the user's line of the loss
     without = [x for x in m.buffers if x not in inside]
     assert m.timeline[op] == _live(without, len(nodes))[op] + sum(x.nbytes for x in inside)
+
+
+def test_a_step_on_generated_cuda_kernels_holds_the_l2_flush_of_their_first_timings():
+    def step(a):
+        return (a * 2).sum()
+
+    (a,) = cuda_fakes((64, 32))
+    fused = sg.fuse(step).lower(a).memory_analysis()
+    flush = [x for x in fused.buffers if x.name == "autotuning_l2_flush"]
+    expected = torch.cuda.get_device_properties(0).L2_cache_size if torch.cuda.is_available() else 60 * 2**20
+    assert [(x.nbytes, x.kind, x.start, x.end) for x in flush] == [(expected, "workspace", 0, len(fused.timeline) - 1)]
+    assert fused.peak_bytes == sg.static(step).lower(a).memory_analysis().peak_bytes + expected
+    assert all(x.name != "autotuning_l2_flush" for x in sg.fuse(step).lower(X).memory_analysis().buffers)  # CPU

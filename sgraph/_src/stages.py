@@ -181,7 +181,7 @@ class Lowered(_Stage):
             >>> print(train_step.lower(params, opt_state, batch).memory_analysis())
         """
         if self._memory is None:
-            self._memory = memory_analysis(self.program)
+            self._memory = memory_analysis(self.program, generated=self.traced.options.fuse is not None)
         return self._memory
 
     def cost_analysis(self, links: Links | None = None) -> CostAnalysis:

@@ -77,7 +77,7 @@ def _planned(program: Program, options: Options) -> Program:
     budget = memory.budget
     if isinstance(budget, float):
         budget = device_budget(budget, program)
-    planned, plan = plan_memory(_scheduled_if_lower(program), memory, budget)
+    planned, plan = plan_memory(_scheduled_if_lower(program), memory, budget, generated=options.fuse is not None)
     return planned.replace(memory_plan=plan, passes=planned.passes + ("plan_memory",))
 
 

@@ -137,7 +137,7 @@ class CudaGraphExecutable:
         # Only a new process-wide peak is this step's own; the user's counters are not reset.
         self.memory_measured = (after[0] - base, torch.cuda.memory_reserved()) if after[0] > peaks[0] else None
         if self.memory_measured is not None and self.program.memory_plan is not None:
-            _check_plan(self.program, *self.memory_measured)
+            _check_plan(self.program, *self.memory_measured, generated=self.body is not None)
         return results
 
     def _run_eagerly(self, inputs: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> list[torch.Tensor]:
@@ -196,12 +196,12 @@ def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
-def _check_plan(program: Program, allocated: int, reserved: int) -> None:
+def _check_plan(program: Program, allocated: int, reserved: int, *, generated: bool) -> None:
     """Warn, with the predicted breakdown, when a planned step went over its budget, or
     (with no budget) over 10% and 128 MiB beyond the planned peak."""
     from ..passes.memory.analysis import memory_analysis
 
-    predicted = memory_analysis(program)
+    predicted = memory_analysis(program, generated=generated)
     budget = program.memory_plan.budget
     limit = budget if budget is not None else max(1.1 * predicted.peak_bytes, predicted.peak_bytes + 2**27)
     if allocated <= limit:

@@ -12,8 +12,12 @@ Two kinds of memory no tensor of the graph shows are counted as ``workspace``: t
 cuBLAS and cuBLASLt workspaces of the stream a CUDA step runs on, from its first
 matmul to its end (``sg.static`` runs the step on a stream of its own, so they are
 the step's; ``CUBLAS_WORKSPACE_CONFIG`` and ``CUBLASLT_WORKSPACE_SIZE`` are read as
-torch reads them), and the buffers sgraph's own kernels allocate inside the op
-(the chunk of logits of the fused linear + cross-entropy), during that op.
+torch reads them), the buffers sgraph's own kernels allocate inside the op (the
+chunk of logits of the fused linear + cross-entropy), during that op, and, for a
+step run on ``sg.fuse``'s generated kernels on CUDA, the buffer Inductor flushes the
+L2 cache with while it times kernel configurations at their first launch (the size
+of the L2 cache; the first call only, at any point of it, so it is counted through
+the step).
 
 Not counted: the memory of other ops' insides (cuDNN workspaces, the buffers a
 generated kernel keeps to itself), the CUDA-graph runtime's copies of non-donated
@@ -169,8 +173,9 @@ class MemoryAnalysis:
         return f"<img src='data:image/png;base64,{image}'/>" + text
 
 
-def memory_analysis(program: Program) -> MemoryAnalysis:
-    """Predict the memory of one run of ``program`` (see the module docstring).
+def memory_analysis(program: Program, *, generated: bool = False) -> MemoryAnalysis:
+    """Predict the memory of one run of ``program`` (see the module docstring);
+    ``generated``: it runs on ``sg.fuse``'s generated kernels.
 
     Example:
         >>> print(train_step.lower(params, opt_state, batch).memory_analysis())
@@ -193,7 +198,7 @@ def memory_analysis(program: Program) -> MemoryAnalysis:
         finish = end if node in live_to_end else max(start, last_read.get(node, start))
         kind = "output" if node in live_to_end else _kind(node, nodes, finish)
         buffers.append(_buffer(node, kind, start, finish))
-    buffers += _inside_ops(nodes) + _library_workspaces(nodes)
+    buffers += _inside_ops(nodes) + _library_workspaces(nodes) + (_autotuning(nodes) if generated else [])
     return _summary(program.name, nodes, buffers)
 
 
@@ -262,6 +267,18 @@ def _library_workspaces(nodes: list[torch.fx.Node]) -> list[Buffer]:
             Buffer("cublaslt_workspace", _cublaslt_workspace_bytes(), "workspace", i, end, "cuBLASLt workspace"),
         ]
     return []
+
+
+def _autotuning(nodes: list[torch.fx.Node]) -> list[Buffer]:
+    """Inductor's L2 flush buffer, for a CUDA step (see the module docstring)."""
+    devices = {v.device for n in nodes if isinstance(v := n.meta.get("val"), torch.Tensor)}
+    cuda = [d for d in devices if d.type == "cuda"]
+    if not cuda:
+        return []
+    nbytes = 60 * 2**20  # an H200's, without a GPU to ask
+    if torch.cuda.is_available():
+        nbytes = torch.cuda.get_device_properties(cuda[0].index or 0).L2_cache_size
+    return [Buffer("autotuning_l2_flush", nbytes, "workspace", 0, len(nodes) - 1, "L2 flush of kernel timing")]
 
 
 def _cublas_workspace_bytes(device: torch.device) -> int:

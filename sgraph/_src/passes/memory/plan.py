@@ -66,22 +66,29 @@ class MemoryPlan:
         )
 
 
-def plan_memory(program: Program, options: MemoryOptions, budget: int | None) -> tuple[Program, MemoryPlan]:
-    """Rematerialize per ``options`` so the predicted peak fits ``budget`` bytes.
+def plan_memory(
+    program: Program, options: MemoryOptions, budget: int | None, *, generated: bool = False
+) -> tuple[Program, MemoryPlan]:
+    """Rematerialize per ``options`` so the predicted peak fits ``budget`` bytes
+    (``generated``: the step runs on ``sg.fuse``'s kernels, see :func:`memory_analysis`).
 
     Raises:
         ArgumentError: the budget cannot be met; the message gives the smallest
             peak the policy reaches.
     """
     pinned, candidates = _ordered(program, options)
-    before = memory_analysis(program).peak_bytes
+
+    def peak_of(program: Program) -> int:
+        return memory_analysis(program, generated=generated).peak_bytes
+
+    before = peak_of(program)
     if budget is None:
         free = candidates if options.policy != "min_time" else [g for g in candidates if g.kind in _FREE]
         choices = [pinned + free, pinned]
-        planned, peak = _best(program, choices)
+        planned, peak = _best(program, choices, peak_of)
         chosen = choices[0]
     else:
-        chosen, planned, peak = _fit(program, pinned, candidates, budget)
+        chosen, planned, peak = _fit(program, pinned, candidates, budget, peak_of)
         if peak > budget:
             raise ArgumentError(_unreachable(program.name, options, budget, peak, before))
     plan = MemoryPlan(
@@ -100,18 +107,20 @@ def plan_memory(program: Program, options: MemoryOptions, budget: int | None) ->
 _FREE = ("pointwise", "view")
 
 
-def _best(program: Program, choices: list[list[Group]]) -> tuple[Program, int]:
+def _best(program: Program, choices: list[list[Group]], peak_of: Callable[[Program], int]) -> tuple[Program, int]:
     """The choice with the lowest predicted peak (the first on a tie), rewritten."""
     results: list[tuple[int, int, list[Group], Program]] = []
     for chosen in choices:
         planned = rematerialize(program, chosen)
-        results.append((memory_analysis(planned).peak_bytes, len(results), chosen, planned))
+        results.append((peak_of(planned), len(results), chosen, planned))
     peak, _, chosen, planned = min(results, key=lambda r: (r[0], r[1]))
     choices[:] = [chosen]
     return planned, peak
 
 
-def _fit(program: Program, pinned: list[Group], order: list[Group], budget: int) -> tuple[list[Group], Program, int]:
+def _fit(
+    program: Program, pinned: list[Group], order: list[Group], budget: int, peak_of: Callable[[Program], int]
+) -> tuple[list[Group], Program, int]:
     """``pinned`` and the shortest prefix of ``order`` whose predicted peak fits ``budget``
     (by bisection, the peak falling as more is recomputed), or the lowest-peak prefix tried."""
     tried: dict[int, tuple[int, Program]] = {}
@@ -119,7 +128,7 @@ def _fit(program: Program, pinned: list[Group], order: list[Group], budget: int)
     def peak(k: int) -> int:
         if k not in tried:
             planned = rematerialize(program, pinned + order[:k])
-            tried[k] = (memory_analysis(planned).peak_bytes, planned)
+            tried[k] = (peak_of(planned), planned)
         return tried[k][0]
 
     lo, hi = 0, len(order)
