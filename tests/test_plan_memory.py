@@ -11,7 +11,7 @@ from models_for_tests import classification_batches, gpt_loss, mlp, run_steps, t
 
 import sgraph as sg
 from sgraph._src.passes.memory.remat import RECOMPUTED_KEY, forward_end, groups
-from sgraph._src.runtime.inductor import _COPY_RUN, _POSITION, _KeepCopiesInPlace, _sink_copies
+from sgraph._src.runtime.inductor import _COPY_RUN, _POSITION, _KeepCopiesInPlace, _scheduling, _sink_copies
 from sgraph._src.source import MODULE_KEY
 
 X = torch.randn(256)  # 1024 bytes
@@ -304,6 +304,20 @@ def test_copies_sink_to_just_before_what_depends_on_them():
     assert [n.name for n in _sink_copies([forward, last, unrelated], lambda n: n is last)][-1] == "last_copy"
 
 
+def test_copies_stay_out_of_combo_kernels_while_compiling(monkeypatch):
+    from torch._inductor import config
+    from torch._inductor.scheduler import ForeachKernelSchedulerNode as Combo
+
+    twin, copy = _scheduler_node("twin", 3), _scheduler_node("copy", 20, run=20)
+    cast, other_cast = _scheduler_node("cast", 5), _scheduler_node("other_cast", 6)
+    monkeypatch.setattr(Combo, "group_algorithm_for_combo_kernels", lambda s: [[twin, copy, cast], [copy, other_cast]])
+    rule = _KeepCopiesInPlace(SimpleNamespace())
+    with config.patch(combo_kernels=True), _scheduling(rule):
+        assert config.combo_kernels
+        assert Combo.group_algorithm_for_combo_kernels(None) == [[twin, cast]]  # a group of one is no group
+    assert len(Combo.group_algorithm_for_combo_kernels(None)) == 2  # as it was after the compile
+
+
 @pytest.mark.slow
 def test_the_fusion_rule_is_set_only_while_compiling(fused_mlp):
     from torch._inductor import config, memory
@@ -311,7 +325,10 @@ def test_the_fusion_rule_is_set_only_while_compiling(fused_mlp):
 
     assert config.post_grad_custom_post_pass is None
     assert not isinstance(V.choices, _KeepCopiesInPlace)
+    from torch._inductor.scheduler import ForeachKernelSchedulerNode as Combo
+
     assert memory.reorder_for_peak_memory.__module__ == "torch._inductor.memory"
+    assert Combo.group_algorithm_for_combo_kernels.__name__ == "_default_group_nodes_for_combo_kernels"
 
 
 # ------------------------------------------------------------------ options

@@ -171,13 +171,15 @@ def copies_in_place(gm: torch.fx.GraphModule) -> Iterator[None]:
     nodes of unknown provenance are left to Inductor. The pass is patched into the
     config like sgraph's other settings (it marks nothing in another graph) and keys
     Inductor's caches, so kernels cached under another rule are not reused. Combo
-    kernels are off. Inductor's reordering for peak memory stays on (without it the
-    backward's weight gradients run at the end of the backward, and every layer's MLP
-    gradient stays alive until then: on the H200, gpt-med's planned peak was 9075 MiB
-    without it and 8802 MiB with it), but the order it picks by its own estimate may
-    hoist copies into the forward (gpt-med under a 6 GiB budget: recomputed matmuls of
-    most layers ran in the forward). So each kernel holding a copy is then moved back
-    down to just before the first kernel that depends on it (:func:`_sink_copies`).
+    kernels group independent nodes without asking ``can_fuse``, so copies are kept out
+    of them (the rest still share launches). Inductor's reordering for peak memory stays
+    on (without it the backward's weight gradients run at the end of the backward, and
+    every layer's MLP gradient stays alive until then: on the H200, gpt-med's planned
+    peak was 9075 MiB without it and 8802 MiB with it), but the order it picks by its
+    own estimate may hoist copies into the forward (gpt-med under a 6 GiB budget:
+    recomputed matmuls of most layers ran in the forward). So each kernel holding a
+    copy is then moved back down to just before the first kernel that depends on it
+    (:func:`_sink_copies`).
 
     Args:
         gm: the graph given to ``compile_fx``; its copies carry ``RECOMPUTED_KEY``
@@ -195,39 +197,59 @@ def copies_in_place(gm: torch.fx.GraphModule) -> Iterator[None]:
         yield
         return
     mark = _MarkPlacement(id(gm.graph), positions, runs, config.post_grad_custom_post_pass)
-    # Combo kernels group independent nodes without asking ``can_fuse``: a copy could
-    # land in a combo kernel with its twin.
-    patch = config.patch(post_grad_custom_post_pass=mark, combo_kernels=False)
     rule = _KeepCopiesInPlace(V.choices)
-    with patch, V.set_choices_handler(rule), _sinking_copies(rule):
+    with config.patch(post_grad_custom_post_pass=mark), V.set_choices_handler(rule), _scheduling(rule):
         yield
 
 
-_SINKING = threading.local()  # the fusion rule of this thread's compile of a planned step
+_SCHEDULING = threading.local()  # the fusion rule of this thread's compile of a planned step
 
 
 @contextlib.contextmanager
-def _sinking_copies(rule: _KeepCopiesInPlace) -> Iterator[None]:
-    """While compiling in this thread, follow Inductor's reordering for peak memory by
-    :func:`_sink_copies`. Inductor looks ``reorder_for_peak_memory`` up in its module
-    when it runs, so it is wrapped there for the compile only; the wrapper changes
-    nothing for another thread's compile."""
-    from torch._inductor import memory
+def _scheduling(rule: _KeepCopiesInPlace) -> Iterator[None]:
+    """While compiling in this thread, keep copies out of combo kernels and follow
+    Inductor's reordering for peak memory by :func:`_sink_copies`.
 
-    original = memory.reorder_for_peak_memory
+    Inductor looks both up when it runs (``reorder_for_peak_memory`` in its module, the
+    combo grouping on ``ForeachKernelSchedulerNode``), so they are wrapped there for the
+    compile only; the wrappers change nothing for another thread's compile. Where the
+    grouping cannot be wrapped, combo kernels are turned off instead."""
+    from torch._inductor import config, memory
+    from torch._inductor.scheduler import ForeachKernelSchedulerNode as Combo
 
-    def reorder(nodes: list[Any], *args: Any, **kwargs: Any) -> list[Any]:
-        order = original(nodes, *args, **kwargs)
-        active = getattr(_SINKING, "rule", None)
-        return order if active is None else _sink_copies(order, lambda n: active.placed(n)[1] is not None)
+    reorder = memory.reorder_for_peak_memory
+    group = getattr(Combo, "group_algorithm_for_combo_kernels", None)
 
-    memory.reorder_for_peak_memory = reorder
-    _SINKING.rule = rule
+    def ours() -> bool:
+        return getattr(_SCHEDULING, "rule", None) is rule
+
+    def is_copy(node: Any) -> bool:
+        return rule.placed(node)[1] is not None
+
+    def reorder_then_sink(nodes: list[Any], *args: Any, **kwargs: Any) -> list[Any]:
+        order = reorder(nodes, *args, **kwargs)
+        return _sink_copies(order, is_copy) if ours() else order
+
+    def groups_without_copies(scheduler: Any) -> list[list[Any]]:
+        assert group is not None
+        groups = group(scheduler)
+        if not ours():
+            return groups
+        kept = ([n for n in nodes if not is_copy(n)] for nodes in groups)
+        return [nodes for nodes in kept if len(nodes) > 1]
+
+    memory.reorder_for_peak_memory = reorder_then_sink
+    if group is not None:
+        Combo.group_algorithm_for_combo_kernels = groups_without_copies
+    _SCHEDULING.rule = rule
     try:
-        yield
+        with config.patch(combo_kernels=config.combo_kernels and group is not None):
+            yield
     finally:
-        _SINKING.rule = None
-        memory.reorder_for_peak_memory = original
+        _SCHEDULING.rule = None
+        memory.reorder_for_peak_memory = reorder
+        if group is not None:
+            Combo.group_algorithm_for_combo_kernels = group
 
 
 def _sink_copies(order: list[Any], is_copy: Callable[[Any], bool]) -> list[Any]:
