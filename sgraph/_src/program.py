@@ -27,6 +27,7 @@ __all__ = [
     "Program",
     "alias_root",
     "compute_ops",
+    "graph_module",
     "memory_root",
     "output_node",
     "placeholders",
@@ -115,7 +116,7 @@ class Program:
         noticeable fraction of a second each time."""
         graph = torch.fx.Graph()
         graph.output(graph.graph_copy(self.graph, {}))
-        return _LazyGraphModule(self.graph_module, graph)
+        return graph_module(self.graph_module, graph)
 
     def written_inputs(self) -> set[int]:
         """Placeholder indices the graph writes into, directly or through a view."""
@@ -226,6 +227,13 @@ def alias_root(node: torch.fx.Node) -> torch.fx.Node:
     Every output of a multi-output op counts as that op (conservative: for a foreach op
     the outputs are in fact distinct tensors; see :func:`memory_root`)."""
     return _root(node, fresh_outputs_are_roots=False)
+
+
+def graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """A graph module over ``graph`` (attributes from ``root``) whose Python code is
+    generated on its first call: a pass that only reads and edits graphs never pays
+    for generating code for a large one."""
+    return _LazyGraphModule(root, graph)
 
 
 def memory_root(node: torch.fx.Node) -> torch.fx.Node:

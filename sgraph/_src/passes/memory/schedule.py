@@ -49,7 +49,7 @@ import torch.fx
 from ...capture import SOURCE_KEY
 from ...errors import ArgumentError
 from ...kernels.adamw import INPLACE_FORMS
-from ...program import Program, alias_root, output_node, written_args
+from ...program import Program, alias_root, graph_module, output_node, written_args
 
 __all__ = ["MAX_GROUPS", "group_lanes", "schedule"]
 
@@ -441,7 +441,7 @@ def _emit(program: Program, plan: _Plan) -> torch.fx.GraphModule:
             else:
                 _emit_piece(graph, plan, op, group, env)
     graph.node_copy(output_node(program.graph), env.__getitem__)
-    return torch.fx.GraphModule(program.graph_module, graph)
+    return graph_module(program.graph_module, graph)
 
 
 def _emit_piece(graph: torch.fx.Graph, plan: _Plan, node: Node, group: int, env: dict[Node, Node]) -> None:
