@@ -308,16 +308,16 @@ def _inside_ops(nodes: list[torch.fx.Node]) -> list[Buffer]:
 
     found = []
     for i, node in enumerate(nodes):
-        if not _op_name(node).startswith("sgraph::"):
+        op = _op_name(node)
+        if not op.startswith("sgraph::"):
             continue
         args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
-        for k, (nbytes, describe) in enumerate(scratch_bytes(_op_name(node), args)):
-            device = args[0].device if isinstance(args[0], torch.Tensor) else torch.device("cpu")
-            if device.type == "cuda":
-                nbytes = -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK
-            source = node.meta.get(SOURCE_KEY)
-            where = source.short() if source is not None else ""
-            found.append(Buffer(f"{node.name}.inside{k}", nbytes, "workspace", i, i, describe, where))
+        device = args[0].device if isinstance(args[0], torch.Tensor) else torch.device("cpu")
+        source = node.meta.get(SOURCE_KEY)
+        where = source.short() if source is not None else ""
+        for k, (nbytes, describe) in enumerate(scratch_bytes(op, args)):
+            size = _allocated(nbytes, device)
+            found.append(Buffer(f"{node.name}.inside{k}", size, "workspace", i, i, describe, where))
     return found
 
 
@@ -350,9 +350,12 @@ def _nbytes(val: torch.Tensor) -> int:
         nbytes = int(val.untyped_storage().nbytes())
     except (RuntimeError, NotImplementedError):
         nbytes = val.numel() * val.element_size()
-    if val.device.type == "cuda" and nbytes:
-        nbytes = -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK
-    return nbytes
+    return _allocated(nbytes, val.device)
+
+
+def _allocated(nbytes: int, device: torch.device) -> int:
+    """What ``nbytes`` takes on ``device``: CUDA's caching allocator rounds up to its blocks."""
+    return -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK if device.type == "cuda" else nbytes
 
 
 def _live(buffers: Sequence[Buffer], length: int) -> list[int]:
