@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
 from pathlib import Path
 
@@ -18,8 +20,11 @@ import sgraph as sg  # noqa: E402
 __all__ = [
     "GPT",
     "GPTConfig",
+    "SMALL_GPT",
+    "cuda_bf16_autocast",
     "gpt_loss",
     "mlp",
+    "small_model_and_batches",
     "tiny_gpt",
     "make_train_step",
     "run_steps",
@@ -28,6 +33,7 @@ __all__ = [
 ]
 
 TINY_GPT = GPTConfig(vocab=64, d=32, layers=2, heads=2, seq=16)
+SMALL_GPT = GPTConfig(vocab=512, d=128, layers=2, heads=4, seq=64)
 
 
 def tiny_gpt(seed: int = 0) -> GPT:
@@ -35,12 +41,39 @@ def tiny_gpt(seed: int = 0) -> GPT:
     return GPT(TINY_GPT)
 
 
-def train_step_fn(apply, loss, opt):
-    """The README's train step, untransformed, for a model applied as ``apply(params, {}, x)``."""
+def small_model_and_batches(kind, n=8, device="cuda"):
+    """The GPU tests' ``"mlp"`` or ``"gpt"`` (``SMALL_GPT``) model, ``n`` random batches and the loss.
+
+    As many batches as steps: a loss driven towards zero by memorizing a few batches would
+    make relative comparisons meaningless.
+    """
+    torch.manual_seed(0)
+    if kind == "mlp":
+        model = mlp(256, 3, 10).to(device)
+        batches = [(torch.randn(32, 256, device=device), torch.randint(0, 10, (32,), device=device)) for _ in range(n)]
+        return model, batches, F.cross_entropy
+    model = GPT(SMALL_GPT).to(device)
+    batches = [
+        (torch.randint(0, 512, (4, 64), device=device), torch.randint(0, 512, (4, 64), device=device)) for _ in range(n)
+    ]
+    return model, batches, gpt_loss
+
+
+def cuda_bf16_autocast(enabled):
+    """For ``train_step_fn(autocast=...)``: ``torch.autocast`` to bfloat16 on CUDA, switched on or off."""
+    return functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16, enabled=enabled)
+
+
+def train_step_fn(apply, loss, opt, *, autocast=contextlib.nullcontext):
+    """The README's train step, untransformed, for a model applied as ``apply(params, {}, x)``.
+
+    The forward and the loss run in a fresh ``autocast()`` context each call.
+    """
 
     def loss_fn(params, batch):
         x, y = batch
-        return loss(apply(params, {}, x), y)
+        with autocast():
+            return loss(apply(params, {}, x), y)
 
     def train_step(params, opt_state, batch):
         value, grads = sg.value_and_grad(loss_fn)(params, batch)
@@ -50,9 +83,9 @@ def train_step_fn(apply, loss, opt):
     return train_step
 
 
-def make_train_step(apply, loss, opt, **static_options):
+def make_train_step(apply, loss, opt, *, autocast=contextlib.nullcontext, **static_options):
     """The README's train step under ``sg.static``."""
-    return sg.static(train_step_fn(apply, loss, opt), **static_options)
+    return sg.static(train_step_fn(apply, loss, opt, autocast=autocast), **static_options)
 
 
 def run_steps(step, params, opt_state, batches):

@@ -7,50 +7,19 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from models_for_tests import GPT, GPTConfig, gpt_loss, mlp
+from models_for_tests import GPT, GPTConfig, cuda_bf16_autocast, gpt_loss, small_model_and_batches, train_step_fn
 
 import sgraph as sg
 
 pytestmark = pytest.mark.gpu
-SMALL_GPT = GPTConfig(vocab=512, d=128, layers=2, heads=4, seq=64)
-
-
-def build(kind, n=8):
-    """A model and ``n`` random batches (as many as steps: a loss driven towards zero by
-    memorizing a few batches would make relative comparisons meaningless)."""
-    torch.manual_seed(0)
-    if kind == "mlp":
-        model = mlp(256, 3, 10).cuda()
-        batches = [(torch.randn(32, 256, device="cuda"), torch.randint(0, 10, (32,), device="cuda")) for _ in range(n)]
-        return model, batches, F.cross_entropy
-    model = GPT(SMALL_GPT).cuda()
-    batches = [
-        (torch.randint(0, 512, (4, 64), device="cuda"), torch.randint(0, 512, (4, 64), device="cuda")) for _ in range(n)
-    ]
-    return model, batches, gpt_loss
-
-
-def step_for(apply, loss, opt, bf16=False):
-    def loss_fn(params, batch):
-        x, y = batch
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-            return loss(apply(params, {}, x), y)
-
-    def train_step(params, opt_state, batch):
-        value, grads = sg.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return sg.optim.apply_updates(params, updates), opt_state, {"loss": value}
-
-    return train_step
 
 
 def run_both(kind, steps, bf16):
-    model, batches, loss = build(kind, steps)
+    model, batches, loss = small_model_and_batches(kind, steps)
     apply, params, _ = sg.functional(model)
     params = {k: v.clone() for k, v in params.items()}
     opt = sg.optim.adamw(1e-3, weight_decay=0.01)
-    plain = step_for(apply, loss, opt, bf16)
+    plain = train_step_fn(apply, loss, opt, autocast=cuda_bf16_autocast(bf16))
     fused = sg.static(sg.fuse(plain), donate=("params", "opt_state"))
     state = opt.init(params)
     eager_params, eager_state = copy.deepcopy(params), copy.deepcopy(state)
@@ -83,10 +52,10 @@ def test_bf16_autocast_losses_within_1e_2_over_100_steps(kind):
 
 
 def test_fused_graph_launches_fewer_kernels_than_the_eager_kernel_graph():
-    model, batches, loss = build("gpt")
+    model, batches, loss = small_model_and_batches("gpt")
     apply, params, _ = sg.functional(model)
     opt = sg.optim.adamw(1e-3)
-    plain = step_for(apply, loss, opt, bf16=True)
+    plain = train_step_fn(apply, loss, opt, autocast=cuda_bf16_autocast(True))
     counts = {}
     for name, step in (("static", sg.static(plain)), ("fuse", sg.static(sg.fuse(plain)))):
         p = {k: v.clone() for k, v in params.items()}
@@ -117,10 +86,10 @@ def test_dropout_masks_differ_between_replays():
 
 
 def test_fuse_alone_runs_generated_kernels_without_a_graph():
-    model, batches, loss = build("mlp")
+    model, batches, loss = small_model_and_batches("mlp")
     apply, params, _ = sg.functional(model)
     opt = sg.optim.sgd(0.1)
-    plain = step_for(apply, loss, opt)
+    plain = train_step_fn(apply, loss, opt, autocast=cuda_bf16_autocast(False))
     fused = sg.fuse(plain)
     state = opt.init(params)
     before = {k: v.clone() for k, v in params.items()}
@@ -140,7 +109,7 @@ def test_fused_cross_entropy_inside_the_cuda_graph_matches_eager(bf16):
     apply, params, _ = sg.functional(model)
     params = {k: v.clone() for k, v in params.items()}
     opt = sg.optim.adamw(1e-3, weight_decay=0.01)
-    plain = step_for(apply, gpt_loss, opt, bf16)
+    plain = train_step_fn(apply, gpt_loss, opt, autocast=cuda_bf16_autocast(bf16))
     fused = sg.static(sg.fuse(plain), donate=("params", "opt_state"))
     state = opt.init(params)
     eager_params, eager_state = copy.deepcopy(params), copy.deepcopy(state)

@@ -9,49 +9,21 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from models_for_tests import GPT, GPTConfig, gpt_loss, mlp
+from models_for_tests import cuda_bf16_autocast, make_train_step, small_model_and_batches
 
 import sgraph as sg
 from sgraph._src.runtime.eager import EagerExecutable
 
 pytestmark = pytest.mark.gpu
-SMALL_GPT = GPTConfig(vocab=512, d=128, layers=2, heads=4, seq=64)
-
-
-def build(kind):
-    torch.manual_seed(0)
-    if kind == "mlp":
-        model = mlp(256, 3, 10).cuda()
-        batches = [(torch.randn(32, 256, device="cuda"), torch.randint(0, 10, (32,), device="cuda")) for _ in range(8)]
-        return model, batches, F.cross_entropy
-    model = GPT(SMALL_GPT).cuda()
-    batches = [
-        (torch.randint(0, 512, (4, 64), device="cuda"), torch.randint(0, 512, (4, 64), device="cuda")) for _ in range(8)
-    ]
-    return model, batches, gpt_loss
-
-
-def train_step_for(apply, loss, opt, bf16=False, **options):
-    def loss_fn(params, batch):
-        x, y = batch
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-            return loss(apply(params, {}, x), y)
-
-    def train_step(params, opt_state, batch):
-        value, grads = sg.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return sg.optim.apply_updates(params, updates), opt_state, {"loss": value}
-
-    return sg.static(train_step, donate=("params", "opt_state"), **options)
 
 
 @pytest.mark.parametrize("kind", ["mlp", "gpt"])
 def test_fp32_parity_one_capture_and_stable_addresses_over_50_steps(kind):
-    model, batches, loss = build(kind)
+    model, batches, loss = small_model_and_batches(kind)
     apply, params, _ = sg.functional(model)
     params = {k: v.clone() for k, v in params.items()}
     opt = sg.optim.adamw(1e-3, weight_decay=0.01)
-    step = train_step_for(apply, loss, opt)
+    step = make_train_step(apply, loss, opt, autocast=cuda_bf16_autocast(False), donate=("params", "opt_state"))
     state = opt.init(params)
     eager_params, eager_state = copy.deepcopy(params), copy.deepcopy(state)
     addresses = {k: v.data_ptr() for k, v in params.items()}
@@ -75,12 +47,13 @@ def test_fp32_parity_one_capture_and_stable_addresses_over_50_steps(kind):
 
 @pytest.mark.parametrize("kind", ["mlp", "gpt"])
 def test_graph_replay_is_bitwise_equal_to_the_same_program_on_eager_kernels(kind):
-    model, batches, loss = build(kind)
+    model, batches, loss = small_model_and_batches(kind)
     apply, params, _ = sg.functional(model)
     params = {k: v.clone() for k, v in params.items()}
     opt = sg.optim.adamw(1e-3, weight_decay=0.01)
     state = opt.init(params)
-    lowered = train_step_for(apply, loss, opt).lower(params, state, batches[0])
+    step = make_train_step(apply, loss, opt, autocast=cuda_bf16_autocast(False), donate=("params", "opt_state"))
+    lowered = step.lower(params, state, batches[0])
     graph, eager = lowered.compile(), sg.Compiled(lowered, EagerExecutable(lowered.program))
     assert graph.stats.runtime == "cudagraph" and eager.stats.runtime == "eager"
     other_params, other_state = copy.deepcopy(params), copy.deepcopy(state)
@@ -96,12 +69,12 @@ def test_graph_replay_is_bitwise_equal_to_the_same_program_on_eager_kernels(kind
 
 @pytest.mark.parametrize("kind", ["mlp", "gpt"])
 def test_matches_a_torch_adamw_loop(kind):
-    model, batches, loss = build(kind)
+    model, batches, loss = small_model_and_batches(kind)
     reference = copy.deepcopy(model)
     apply, params, _ = sg.functional(model)
     params = {k: v.clone() for k, v in params.items()}
     opt = sg.optim.adamw(1e-3, weight_decay=0.01)
-    step = train_step_for(apply, loss, opt)
+    step = make_train_step(apply, loss, opt, autocast=cuda_bf16_autocast(False), donate=("params", "opt_state"))
     state = opt.init(params)
     torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
     for i in range(20):
@@ -117,12 +90,12 @@ def test_matches_a_torch_adamw_loop(kind):
 
 @pytest.mark.parametrize("kind", ["mlp", "gpt"])
 def test_bf16_autocast_losses_within_1e2_of_eager_over_100_steps(kind):
-    model, batches, loss = build(kind)
+    model, batches, loss = small_model_and_batches(kind)
     reference = copy.deepcopy(model)
     apply, params, _ = sg.functional(model)
     params = {k: v.clone() for k, v in params.items()}
     opt = sg.optim.adamw(1e-3, weight_decay=0.01)
-    step = train_step_for(apply, loss, opt, bf16=True)
+    step = make_train_step(apply, loss, opt, autocast=cuda_bf16_autocast(True), donate=("params", "opt_state"))
     state = opt.init(params)
     torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
     ours, theirs = [], []
