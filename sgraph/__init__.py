@@ -27,6 +27,7 @@ from ._src.passes.memory.plan import MemoryPlan
 from ._src.passes.shard.cost import CostAnalysis, Links
 from ._src.sharding import P, ddp, distribute, fsdp, mesh, replicate, tp
 from ._src.stages import Compiled, CompiledStats, Lowered, Traced
+from ._src.tags import checkpoint_name
 
 __all__ = [
     "ArgumentError",
@@ -51,6 +52,7 @@ __all__ = [
     "SgraphWarning",
     "StaleBufferError",
     "TreeStructureError",
+    "checkpoint_name",
     "ddp",
     "distribute",
     "fsdp",

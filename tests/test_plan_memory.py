@@ -183,6 +183,13 @@ def test_pins_save_and_recompute_by_module_path(gpt):
     assert any("addmm" in name for name in forced.recomputed)  # a matmul of blocks.0, forced
 
 
+def test_a_module_path_pattern_naming_nothing_warns(gpt):
+    step, params, opt_state, batches = gpt
+    match = r"save='blocks\.\*\.qvk' matches no .* Did you mean 'blocks\.\*\.qkv'\? .*: blocks\.\*, blocks\.\*\.fc, "
+    with pytest.warns(sg.SgraphWarning, match=match):
+        sg.static(sg.plan_memory(save="blocks.*.qvk")(step)).lower(params, opt_state, batches[0])
+
+
 def test_plan_memory_alone_runs_eagerly_and_matches(gpt):
     step, params, opt_state, batches = gpt
     planned = sg.plan_memory(policy="save_block_inputs")(step)
@@ -342,7 +349,7 @@ def test_the_fusion_rule_is_set_only_while_compiling(fused_mlp):
         ({"budget": 0}, sg.ArgumentError, r"budget=0 must be positive"),
         ({"budget": [1]}, sg.ArgumentTypeError, r"budget must be bytes"),
         ({"policy": "fastest"}, sg.ArgumentError, r"policy='fastest' is not one of 'min_time'"),
-        ({"save": 3}, sg.ArgumentTypeError, r"save must be a module path pattern"),
+        ({"save": 3}, sg.ArgumentTypeError, r"save must be a pattern of module paths or tags"),
         ({"budgett": 1}, sg.ArgumentTypeError, r"unknown option budgett=1.*Did you mean budget=\?"),
     ],
 )

@@ -496,9 +496,15 @@ def plan_memory(
             per byte first, only as many as the budget needs. ``"save_matmuls"``:
             keep only matmul and attention outputs. ``"save_block_inputs"``: keep
             nothing made inside a block but what leaves it (blocks: see ``blocks``).
-        save: module path patterns (``"blocks.*.attn"``) whose values are never
-            recomputed.
-        recompute: module path patterns whose values are always recomputed.
+        save: patterns (``"blocks.*.attn"``) whose values are never recomputed. A
+            pattern names a value by the path of the submodule that made it (run
+            through ``sg.functional``) or by a tag given with ``sg.checkpoint_name``,
+            as :mod:`fnmatch` matches, and names what is under it too (``blocks.0``
+            names ``blocks.0.fc``). A tag on a view names the buffer it shows. A
+            pattern naming nothing in the step warns (``SgraphWarning``) when the
+            step is lowered.
+        recompute: patterns, as for ``save``, whose values are always recomputed
+            (``save`` wins where both name a value).
         blocks: the pattern naming a block (``"layers.*"``); by default the first
             numbered part of a path (``blocks.3`` in ``blocks.3.fc``).
 
@@ -511,8 +517,8 @@ def plan_memory(
 
     Example:
         >>> @sg.static(donate=("params", "opt_state"))
-        ... @sg.plan_memory(budget="6GiB")
-        ... def train_step(params, opt_state, batch): ...
+        ... @sg.plan_memory(budget="6GiB", recompute="attn_scores")  # a tag
+        ... def train_step(params, opt_state, batch): ...  # sg.checkpoint_name(s, "attn_scores")
     """
     check_unknown("sg.plan_memory", unknown, ("budget", "policy", "save", "recompute", "blocks"))
 

@@ -219,12 +219,20 @@ class SourceMode(TorchDispatchMode):
         context: when given, a callable returning the source to stamp (used when
             re-tracing an existing graph node by node); otherwise the user's frame,
             or for backward ops the forward line of the autograd node being run.
+        carried: when given, a callable returning more meta to stamp (when re-tracing:
+            the module path and tags of the node being re-traced).
     """
 
-    def __init__(self, api: str, context: Callable[[], Source | None] | None = None) -> None:
+    def __init__(
+        self,
+        api: str,
+        context: Callable[[], Source | None] | None = None,
+        carried: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
         super().__init__()
         self.api = api
         self.context = context
+        self.carried = carried
         self.last_backward: Source | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -253,6 +261,7 @@ class SourceMode(TorchDispatchMode):
         node = last.next if last is not None else _first_node(graph)
         source = None
         module = module_path() if torch._C._current_autograd_node() is None else None
+        carried = self.carried() if self.carried is not None else {}
         while node is not None and node.op != "root":
             if SOURCE_KEY not in node.meta:
                 source = source or self._source()
@@ -260,6 +269,7 @@ class SourceMode(TorchDispatchMode):
                     node.meta[SOURCE_KEY] = source
                 if module is not None:
                     node.meta[MODULE_KEY] = module
+                node.meta.update(carried)
             node = node.next
 
     def _source(self) -> Source | None:

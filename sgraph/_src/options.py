@@ -163,12 +163,12 @@ def check_budget(api: str, budget: Any) -> int | float | None:
 
 
 def check_patterns(api: str, name: str, patterns: Any) -> tuple[str, ...]:
-    """Normalize module-path patterns (a string or a sequence of strings) to a tuple."""
+    """Normalize patterns of module paths or tags (a string or a sequence of strings) to a tuple."""
     items = (patterns,) if isinstance(patterns, str) else patterns
     if not isinstance(items, (tuple, list)) or not all(isinstance(p, str) and p for p in items):
         raise ArgumentTypeError(
-            f'{api}: {name} must be a module path pattern or a tuple of them, such as "blocks.*.attn"; '
-            f"found {patterns!r}."
+            f"{api}: {name} must be a pattern of module paths or tags, or a tuple of them, such as "
+            f'"blocks.*.attn" or ("blocks.0.*", "attn_scores"); found {patterns!r}.'
         )
     return tuple(items)
 

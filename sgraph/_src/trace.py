@@ -45,6 +45,8 @@ from .errors import CaptureError
 from .hidden import find_hidden_tensor
 from .patterns import LinearCrossEntropyMode
 from .program import LeafInfo, Program, alias_root, placeholders, returned, written_args
+from .source import MODULE_KEY
+from .tags import TAGS_KEY
 
 __all__ = ["ArgLayout", "trace", "arg_layout", "positional_names"]
 
@@ -256,12 +258,14 @@ def _local_outputs(out_leaves: list[Any], targets: list[Any]) -> tuple[list[Any]
 
 
 class _Replay(torch.fx.Interpreter):
-    """Runs a graph node by node, exposing the source of the node being run."""
+    """Runs a graph node by node, exposing the source, module path and tags of the node being run."""
 
     current: Source | None = None
+    carried: dict[str, Any] = {}
 
     def run_node(self, n: torch.fx.Node) -> Any:
         self.current = n.meta.get(SOURCE_KEY)
+        self.carried = {key: n.meta[key] for key in (MODULE_KEY, TAGS_KEY) if key in n.meta}
         return super().run_node(n)
 
 
@@ -271,7 +275,7 @@ def _functionalize(gm: torch.fx.GraphModule, tensors: list[torch.Tensor], api: s
     replay = _Replay(gm)
 
     def run(*args: torch.Tensor) -> Any:
-        with SourceMode(api, context=lambda: replay.current):
+        with SourceMode(api, context=lambda: replay.current, carried=lambda: replay.carried):
             return replay.run(*args)
 
     functional = torch.func.functionalize(run, remove="mutations")

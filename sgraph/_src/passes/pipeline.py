@@ -19,7 +19,7 @@ from ..program import Program
 from .cleanup import cleanup
 from .donation import donation
 from .memory.analysis import memory_analysis
-from .memory.plan import device_budget, plan_memory
+from .memory.plan import device_budget, plan_memory, warn_unmatched_pins
 from .memory.schedule import schedule
 from .reinplace import reinplace
 from .replay import replay
@@ -77,6 +77,7 @@ def _planned(program: Program, options: Options) -> Program:
     budget = memory.budget
     if isinstance(budget, float):
         budget = device_budget(budget, program)
+    warn_unmatched_pins(program, memory)
     planned, plan = plan_memory(_scheduled_if_lower(program), memory, budget, generated=options.fuse is not None)
     return planned.replace(memory_plan=plan, passes=planned.passes + ("plan_memory",))
 

@@ -14,22 +14,25 @@ backward recomputes inside the kernels that read them.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import operator
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch.fx
 
 from ...capture import SOURCE_KEY
-from ...errors import ArgumentError
+from ...errors import ArgumentError, SgraphWarning
 from ...options import MemoryOptions
 from ...program import Program, memory_root
 from ...source import MODULE_KEY
+from ...tags import TAGS_KEY
 from .analysis import memory_analysis
 from .remat import Group, forward_end, groups, rematerialize
 
-__all__ = ["MemoryPlan", "plan_memory", "device_budget"]
+__all__ = ["MemoryPlan", "plan_memory", "device_budget", "warn_unmatched_pins"]
 
 Node = torch.fx.Node
 
@@ -149,8 +152,8 @@ def _ordered(program: Program, options: MemoryOptions) -> tuple[list[Group], lis
     first, each kept only where it frees more than it keeps alive (module docstring)."""
     found = groups(program)
     allowed = _policy_filter(options, found)
-    pinned = [g for g in found if _matches(g.module, options.recompute) and not _matches(g.module, options.save)]
-    rest = [g for g in found if allowed(g) and g not in pinned and not _matches(g.module, options.save)]
+    pinned = [g for g in found if _matches(g, options.recompute) and not _matches(g, options.save)]
+    rest = [g for g in found if allowed(g) and g not in pinned and not _matches(g, options.save)]
     rest.sort(key=lambda g: -g.nbytes / (g.seconds + 1e-9))
     return pinned, _worth_it(program, rest, within_blocks=options.policy == "save_block_inputs")
 
@@ -228,8 +231,38 @@ def _nbytes(node: Node) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
-def _matches(module: str, patterns: Sequence[str]) -> bool:
-    return any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(module, p + ".*") for p in patterns)
+def _matches(g: Group, patterns: Sequence[str]) -> bool:
+    """Whether a pattern names ``g``'s module path or one of its tags."""
+    return any(_names(p, name) for p in patterns for name in (g.module, *g.tags))
+
+
+def _names(pattern: str, name: str) -> bool:
+    """Whether ``pattern`` names ``name`` or what is under it (``blocks.0`` names ``blocks.0.fc``)."""
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, pattern + ".*")
+
+
+def warn_unmatched_pins(program: Program, options: MemoryOptions) -> None:
+    """Warn for each ``save``/``recompute`` pattern that names no module path and no
+    tag of the step: a typo, or a module not run through ``sg.functional``."""
+    names = {str(n.meta[MODULE_KEY]) for n in program.graph.nodes if MODULE_KEY in n.meta}
+    names |= {t for n in program.graph.nodes for t in n.meta.get(TAGS_KEY, ())}
+    for option, patterns in (("save", options.save), ("recompute", options.recompute)):
+        for pattern in patterns:
+            if not any(_names(pattern, name) for name in names):
+                warnings.warn(_unmatched(program.name, option, pattern, names), SgraphWarning, stacklevel=2)
+
+
+def _unmatched(step: str, option: str, pattern: str, names: set[str]) -> str:
+    # Numbered parts as "*" (blocks.*.fc): what a pattern over repeated blocks looks like.
+    general = sorted({".".join("*" if p.isdigit() else p for p in n.split(".")) for n in names} - {""})
+    close = difflib.get_close_matches(pattern, general + sorted(names - {""}), n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    known = ", ".join(general[:8]) + (f" and {len(general) - 8} more" if len(general) > 8 else "") or "none"
+    return (
+        f"{step}: sg.plan_memory's {option}={pattern!r} matches no module path and no tag of the step, so it "
+        f"pins nothing.{hint} The step's module paths and tags: {known}. Module paths are recorded for "
+        "submodules run through sg.functional, tags with sg.checkpoint_name(x, name)."
+    )
 
 
 def _block(module: str, blocks: str | None) -> str | None:

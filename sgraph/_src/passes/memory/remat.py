@@ -30,6 +30,7 @@ import torch.fx
 from ...capture import SOURCE_KEY
 from ...program import Program, memory_root
 from ...source import MODULE_KEY
+from ...tags import TAGS_KEY
 
 __all__ = ["Group", "RECOMPUTED_KEY", "forward_end", "groups", "rematerialize"]
 
@@ -74,6 +75,8 @@ class Group:
             norms, gathers...), from the op making ``root``.
         flops / seconds: the estimated cost of recomputing the op making ``root``.
         module: the path of the submodule that made ``root`` (``""`` if unknown).
+        tags: the names given with ``sg.checkpoint_name`` to ``root`` or to any
+            view of its buffer in the forward.
     """
 
     root: Node
@@ -83,6 +86,7 @@ class Group:
     flops: int
     seconds: float
     module: str
+    tags: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -116,11 +120,12 @@ def groups(program: Program) -> list[Group]:
         for arg in _node_args(node):
             if arg in forward and arg.op == "call_function" and _tensor(arg):
                 members.setdefault(memory_root(arg), []).append(arg)
+    tags = _tags_by_buffer(nodes[:end])
     found = []
     for root, read in members.items():
         closure = _closure(root, read)
         if root in forward and root.op == "call_function" and all(recomputable(n) for n in closure):
-            found.append(_group(root, closure))
+            found.append(_group(root, closure, tags.get(root, ())))
     return sorted(found, key=lambda g: nodes.index(g.root))
 
 
@@ -205,7 +210,16 @@ def _closure(root: Node, read: Iterable[Node]) -> list[Node]:
     return list(found)
 
 
-def _group(root: Node, closure: list[Node]) -> Group:
+def _tags_by_buffer(forward: list[Node]) -> dict[Node, tuple[str, ...]]:
+    """The tags of each forward buffer: a tag on a view names the buffer it shows."""
+    found: dict[Node, dict[str, None]] = {}
+    for node in forward:
+        for tag in node.meta.get(TAGS_KEY, ()):
+            found.setdefault(memory_root(node), {})[tag] = None
+    return {root: tuple(tags) for root, tags in found.items()}
+
+
+def _group(root: Node, closure: list[Node], tags: tuple[str, ...]) -> Group:
     val = root.meta["val"]
     nbytes = val.untyped_storage().nbytes() if val.device.type != "meta" else val.numel() * val.element_size()
     op = root.args[0] if root.target is operator.getitem else root
@@ -219,6 +233,7 @@ def _group(root: Node, closure: list[Node]) -> Group:
         flops=flops,
         seconds=flops / _FLOPS_PER_S + moved / _BYTES_PER_S,
         module=str(root.meta.get(MODULE_KEY, "")),
+        tags=tags,
     )
 
 
