@@ -286,6 +286,45 @@ def test_a_copy_fuses_with_nothing_placed_before_its_run():
     assert fuses(twin, later) and fuses(reader, twin)  # no copy in either
 
 
+def test_copies_fuse_with_later_kernels_reading_the_same_input_however_far():
+    """Inductor refuses horizontal fusions of nodes over 64 apart; a copy placed just
+    before its matmul reader may still join the later kernel that reads its input (the
+    recomputed GELU with the GELU's gradient): that makes it later, never earlier."""
+    copy, later = _scheduler_node("copy", 20, run=20), _scheduler_node("later", 200)
+    forward, backward = _scheduler_node("forward", 3), _scheduler_node("backward", 300)
+    far = SimpleNamespace(are_long_distant_nodes=lambda a, b: True)
+    inductor = SimpleNamespace(  # Inductor's rule, as in InductorChoices.can_fuse_horizontal
+        can_fuse_horizontal=lambda scheduler, a, b, shared: shared >= 10 and not scheduler.are_long_distant_nodes(a, b)
+    )
+    rule = _KeepCopiesInPlace(inductor)
+    assert rule.can_fuse_horizontal(far, copy, later, 2**20) and rule.can_fuse_horizontal(far, later, copy, 2**20)
+    assert not rule.can_fuse_horizontal(far, forward, backward, 2**20)  # no copy: Inductor's limit holds
+    assert not rule.can_fuse_horizontal(far, copy, later, 0)  # nothing shared: Inductor's rule
+    near = SimpleNamespace(are_long_distant_nodes=lambda a, b: False)
+    assert rule.can_fuse_horizontal(near, forward, backward, 2**20)
+
+
+def test_fused_steps_recompute_without_a_budget_only_what_a_backward_kernel_computes():
+    """bf16 autocast on CPU: the bf16 casts of the weights are read in the backward by
+    matmuls only (a kernel of their own under sg.fuse: not recomputed there); the GELU's
+    output is recomputed inside the GELU's gradient kernel, which reads the same input."""
+    torch.manual_seed(0)
+    apply, params, _ = sg.functional(mlp(16, 2, 4))
+    opt = sg.optim.adamw(1e-2)
+    bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    step = train_step_fn(apply, lambda x, y: F.cross_entropy(x.float(), y), opt, autocast=bf16)
+    batch = classification_batches(1, 32, 16, 4)[0]
+
+    def recomputed(body):
+        lowered = sg.static(sg.plan_memory(body)).trace(params, opt.init(params), batch).lower()
+        return set(lowered.memory_plan.recomputed)
+
+    eager, fused = recomputed(step), recomputed(sg.fuse(step))
+    casts = {name for name in eager if name.startswith("_to_copy")}
+    assert casts and {name for name in eager if name.startswith("gelu")} == {"gelu", "gelu_1"}
+    assert fused == {"gelu", "gelu_1"}
+
+
 def _ordered(name, reads=(), waits=()):
     """A stand-in for a scheduler node making buffer ``name``, reading ``reads`` and
     ordered after the readers ``waits`` (how Inductor records a later mutation)."""

@@ -490,8 +490,8 @@ def plan_memory(
         budget: the most memory one step may use: bytes, a size string
             (``"40GiB"``, ``"512MB"``), or a fraction of the device's memory
             (``0.8``). ``None``: recompute only what costs no matmul, reduction or
-            memory pass of its own (pointwise ops and views, which a fused backward
-            recomputes inside the kernels that read them).
+            memory pass of its own (pointwise ops and views; under ``sg.fuse``, only
+            those a backward kernel computes anyway, alongside its other work).
         policy: which activations may be recomputed. ``"min_time"``: any, cheapest
             per byte first, only as many as the budget needs. ``"save_matmuls"``:
             keep only matmul and attention outputs. ``"save_block_inputs"``: keep

@@ -372,6 +372,23 @@ class _KeepCopiesInPlace:
             return False
         return bool(self._inner.can_fuse(scheduler, node1, node2, shared_data_score))
 
+    def can_fuse_horizontal(self, scheduler: Any, node1: Any, node2: Any, shared_data_score: int) -> bool:
+        """Inductor's rule for kernels that share reads, but without its distance limit
+        where one holds a copy: that limit (no fusing of nodes over 64 apart) keeps
+        recomputed ops of far-apart regions from being fused early, which
+        :meth:`can_fuse` already refuses exactly; what it would also refuse is the copy
+        joining a later backward kernel reading the same input (the recomputed GELU
+        with the GELU's gradient), which makes the copy later, never earlier."""
+        from torch._inductor import config
+
+        try:
+            holds_copy = self.placed(node1)[1] is not None or self.placed(node2)[1] is not None
+        except AttributeError:  # a scheduler node of another shape: leave the decision to Inductor
+            holds_copy = False
+        if holds_copy and shared_data_score >= config.score_fusion_memory_threshold:
+            return True
+        return bool(self._inner.can_fuse_horizontal(scheduler, node1, node2, shared_data_score))
+
     def placed(self, node: Any) -> tuple[int | None, int | None]:
         """Where the earliest op of a (fused) scheduler node sits, and the earliest run
         start of the copies it computes (None: unknown, or no copies)."""

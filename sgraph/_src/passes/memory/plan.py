@@ -9,7 +9,9 @@ residual stream) keeps every link alive anyway. With a budget, it takes the
 shortest prefix of that order whose predicted peak (:func:`memory_analysis` of
 the rewritten step) fits; with none, only the groups that cost no extra matmul,
 reduction or memory pass of their own: pointwise ops and views, which a fused
-backward recomputes inside the kernels that read them.
+backward recomputes inside the kernels that read them (on ``sg.fuse``'s kernels,
+only those a backward kernel computes anyway: one only matmuls read would be a
+kernel and a pass over memory of its own).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def plan_memory(
 
     before = peak_of(program)
     if budget is None:
-        free = candidates if options.policy != "min_time" else [g for g in candidates if g.kind in _FREE]
+        free = candidates if options.policy != "min_time" else _free(program, candidates, generated)
         choices = [pinned + free, pinned]
         planned, peak = _best(program, choices, peak_of)
         chosen = choices[0]
@@ -108,6 +110,72 @@ def plan_memory(
 
 
 _FREE = ("pointwise", "view")
+
+
+def _free(program: Program, candidates: list[Group], generated: bool) -> list[Group]:
+    """The groups recomputed at no extra matmul, reduction or memory pass: pointwise ops
+    and views; on ``sg.fuse``'s kernels, only those a backward kernel computes anyway
+    (:func:`_in_a_kernel`): a copy that only library kernels (matmuls) read is a
+    kernel of its own, a pass over memory per step."""
+    free = [g for g in candidates if g.kind in _FREE]
+    if not generated:
+        return free
+    nodes = list(program.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    end = forward_end(program.graph)
+    return [g for g in free if _in_a_kernel(g, position, end)]
+
+
+def _in_a_kernel(g: Group, position: dict[Node, int], end: int) -> bool:
+    """Whether sg.fuse can compute ``g``'s copy inside a kernel the backward runs
+    anyway: a generated backward op reads the copy (the copy fuses into it), or reads
+    what the copy reads, at or after the copy's place (the two fuse side by side, as
+    the recomputed GELU with the GELU's gradient)."""
+    if g.kind == "view":
+        return True
+    inside = set(g.members)
+    readers = [u for m in g.members for u in _through_views(m) if u not in inside and position[u] >= end]
+    if not readers:
+        return False
+    if any(_generated(u) for u in readers):
+        return True
+    first = min(position[u] for u in readers)
+    return any(
+        _generated(u) and position[u] >= first for arg in _inputs(g) for u in _through_views(arg) if u not in inside
+    )
+
+
+def _through_views(node: Node) -> list[Node]:
+    """The ops reading ``node``, looking through views and getitems (no kernel of their own)."""
+    found, stack, seen = [], list(node.users), set()
+    while stack:
+        user = stack.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        target = user.target
+        view = target is operator.getitem or (isinstance(target, torch._ops.OpOverload) and target.is_view)
+        if view:
+            stack.extend(user.users)
+        else:
+            found.append(user)
+    return found
+
+
+# Ops Inductor leaves to a library (cuBLAS, cuDNN, ATen's fused kernels) instead of generating.
+_LIBRARY = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution", "_convolution", "convolution_backward")
+_LIBRARY_PREFIXES = ("_scaled_dot_product", "_flash_attention", "_efficient_attention", "_cudnn", "cudnn", "_fused")
+
+
+def _generated(node: Node) -> bool:
+    """Whether ``node`` is an op sg.fuse generates a kernel for (one it can fuse with)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target.namespace not in ("aten", "prims"):
+        return False
+    name = target.overloadpacket.__name__
+    return name not in _LIBRARY and not name.startswith(_LIBRARY_PREFIXES)
 
 
 def _best(program: Program, choices: list[list[Group]], peak_of: Callable[[Program], int]) -> tuple[Program, int]:
