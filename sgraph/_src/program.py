@@ -29,6 +29,7 @@ __all__ = [
     "compute_ops",
     "graph_module",
     "memory_root",
+    "readers",
     "output_node",
     "placeholders",
     "returned",
@@ -227,6 +228,19 @@ def alias_root(node: torch.fx.Node) -> torch.fx.Node:
     Every output of a multi-output op counts as that op (conservative: for a foreach op
     the outputs are in fact distinct tensors; see :func:`memory_root`)."""
     return _root(node, fresh_outputs_are_roots=False)
+
+
+def readers(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """Every node that reads ``node``'s memory: its users and the users of its views
+    (the views included)."""
+    found, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        for user in current.users:
+            found.add(user)
+            if user.op == "call_function" and alias_root(user) is not user:
+                stack.append(user)
+    return found
 
 
 def graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:

@@ -22,7 +22,7 @@ import torch
 import torch.fx
 
 from ..kernels.adamw import INPLACE_FORMS, written_lists
-from ..program import Program, alias_root, memory_root, placeholders, returned
+from ..program import Program, alias_root, memory_root, placeholders, readers, returned
 
 __all__ = ["reinplace"]
 
@@ -135,19 +135,7 @@ def _safe(
         return False  # read again later, or a view: its base may be an input or read elsewhere
     if args.other_reads(self_node):
         return False
-    return all(order[r] <= order[op] for r in _readers(self_node))
-
-
-def _readers(node: Node) -> set[Node]:
-    """Every node that reads ``node``'s memory: its users and the users of its views."""
-    found, stack = set(), [node]
-    while stack:
-        current = stack.pop()
-        for user in current.users:
-            found.add(user)
-            if user.op == "call_function" and alias_root(user) is not user:
-                stack.append(user)
-    return found
+    return all(order[r] <= order[op] for r in readers(self_node))
 
 
 class _ArgRoots:

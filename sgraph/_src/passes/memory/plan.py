@@ -28,11 +28,11 @@ import torch.fx
 from ...capture import SOURCE_KEY
 from ...errors import ArgumentError, SgraphWarning
 from ...options import MemoryOptions
-from ...program import Program, memory_root
+from ...program import Program, alias_root, memory_root, readers
 from ...source import MODULE_KEY
 from ...tags import TAGS_KEY
 from .analysis import memory_analysis
-from .remat import Group, forward_end, groups, rematerialize
+from .remat import Group, forward_end, groups, library_op, rematerialize
 
 __all__ = ["MemoryPlan", "plan_memory", "device_budget", "warn_unmatched_pins"]
 
@@ -134,48 +134,20 @@ def _in_a_kernel(g: Group, position: dict[Node, int], end: int) -> bool:
     if g.kind == "view":
         return True
     inside = set(g.members)
-    readers = [u for m in g.members for u in _through_views(m) if u not in inside and position[u] >= end]
-    if not readers:
+    reading = [u for m in g.members for u in _through_views(m) if u not in inside and position[u] >= end]
+    if not reading:
         return False
-    if any(_generated(u) for u in readers):
+    if any(not library_op(u) for u in reading):
         return True
-    first = min(position[u] for u in readers)
+    first = min(position[u] for u in reading)
     return any(
-        _generated(u) and position[u] >= first for arg in _inputs(g) for u in _through_views(arg) if u not in inside
+        not library_op(u) and position[u] >= first for arg in _inputs(g) for u in _through_views(arg) if u not in inside
     )
 
 
 def _through_views(node: Node) -> list[Node]:
-    """The ops reading ``node``, looking through views and getitems (no kernel of their own)."""
-    found, stack, seen = [], list(node.users), set()
-    while stack:
-        user = stack.pop()
-        if user in seen:
-            continue
-        seen.add(user)
-        target = user.target
-        view = target is operator.getitem or (isinstance(target, torch._ops.OpOverload) and target.is_view)
-        if view:
-            stack.extend(user.users)
-        else:
-            found.append(user)
-    return found
-
-
-# Ops Inductor leaves to a library (cuBLAS, cuDNN, ATen's fused kernels) instead of generating.
-_LIBRARY = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution", "_convolution", "convolution_backward")
-_LIBRARY_PREFIXES = ("_scaled_dot_product", "_flash_attention", "_efficient_attention", "_cudnn", "cudnn", "_fused")
-
-
-def _generated(node: Node) -> bool:
-    """Whether ``node`` is an op sg.fuse generates a kernel for (one it can fuse with)."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return False
-    if target.namespace not in ("aten", "prims"):
-        return False
-    name = target.overloadpacket.__name__
-    return name not in _LIBRARY and not name.startswith(_LIBRARY_PREFIXES)
+    """The ops reading ``node``'s memory, looking through views (no kernel of their own)."""
+    return [u for u in readers(node) if alias_root(u) is u]
 
 
 def _best(program: Program, choices: list[list[Group]], peak_of: Callable[[Program], int]) -> tuple[Program, int]:
@@ -312,6 +284,8 @@ def _names(pattern: str, name: str) -> bool:
 def warn_unmatched_pins(program: Program, options: MemoryOptions) -> None:
     """Warn for each ``save``/``recompute`` pattern that names no module path and no
     tag of the step: a typo, or a module not run through ``sg.functional``."""
+    if not options.save and not options.recompute:
+        return
     names = {str(n.meta[MODULE_KEY]) for n in program.graph.nodes if MODULE_KEY in n.meta}
     names |= {t for n in program.graph.nodes for t in n.meta.get(TAGS_KEY, ())}
     for option, patterns in (("save", options.save), ("recompute", options.recompute)):

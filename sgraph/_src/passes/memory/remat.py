@@ -32,7 +32,7 @@ from ...program import Program, memory_root
 from ...source import MODULE_KEY
 from ...tags import TAGS_KEY
 
-__all__ = ["Group", "RECOMPUTED_KEY", "forward_end", "groups", "rematerialize"]
+__all__ = ["Group", "RECOMPUTED_KEY", "forward_end", "groups", "library_op", "rematerialize"]
 
 Node = torch.fx.Node
 
@@ -57,6 +57,9 @@ _MATMULS = frozenset(
         "_efficient_attention_forward",
     }
 )
+# Backward ops that, like the matmuls, run in a library (cuBLAS, cuDNN, ATen's fused kernels).
+_LIBRARY_PREFIXES = ("_scaled_dot_product", "_flash_attention", "_efficient_attention", "_cudnn", "cudnn", "_fused")
+_LIBRARY = _MATMULS | {"convolution_backward"}
 # A rough accelerator: what matters is the ratio of matmul time to memory-bound time.
 _FLOPS_PER_S = 4e14
 _BYTES_PER_S = 3e12
@@ -235,6 +238,18 @@ def _group(root: Node, closure: list[Node], tags: tuple[str, ...]) -> Group:
         module=str(root.meta.get(MODULE_KEY, "")),
         tags=tags,
     )
+
+
+def library_op(node: Node) -> bool:
+    """Whether ``node`` runs in a library rather than in a kernel ``sg.fuse`` generates
+    (a custom op, a matmul, attention, a convolution): nothing fuses into it."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return True
+    if target.namespace not in ("aten", "prims"):
+        return True
+    name = target.overloadpacket.__name__
+    return name in _LIBRARY or name.startswith(_LIBRARY_PREFIXES)
 
 
 def _kind(op: Node) -> str:
