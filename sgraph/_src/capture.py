@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .capture_guards import no_host_sync, quiet_torch_logs, rng_state_unchanged, trace_guards
 from .errors import CaptureError, SgraphError
-from .source import MODULE_KEY, SOURCE_KEY, Source, is_library, module_path, user_source, where
+from .source import GRAD_MODULE_KEY, MODULE_KEY, SOURCE_KEY, Source, is_library, module_path, user_source, where
 from .text import describe_tensor
 
 __all__ = [
@@ -201,14 +201,19 @@ def _moves_to_host(name: str, args: Any, kwargs: dict[str, Any]) -> bool:
 
 
 def _tag_grad_fns(out: Any) -> None:
+    """Write on the autograd nodes of ``out`` the user's line and the submodule that
+    made them, for the backward ops they will record."""
     outs = out if isinstance(out, (tuple, list)) else (out,)
     source = None
+    module = module_path()
     for t in outs:
         fn = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
         if fn is not None and SOURCE_KEY not in fn.metadata:
             source = source or user_source()
             if source is not None:
                 fn.metadata[SOURCE_KEY] = source
+            if module is not None:
+                fn.metadata[MODULE_KEY] = module
 
 
 class SourceMode(TorchDispatchMode):
@@ -234,6 +239,7 @@ class SourceMode(TorchDispatchMode):
         self.context = context
         self.carried = carried
         self.last_backward: Source | None = None
+        self.last_grad_module: str | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -260,7 +266,9 @@ class SourceMode(TorchDispatchMode):
     def _stamp(self, graph: torch.fx.Graph, last: torch.fx.Node | None) -> None:
         node = last.next if last is not None else _first_node(graph)
         source = None
-        module = module_path() if torch._C._current_autograd_node() is None else None
+        autograd_node = torch._C._current_autograd_node()
+        module = module_path() if autograd_node is None else None
+        grad_module = self._grad_module(autograd_node) if autograd_node is not None else None
         carried = self.carried() if self.carried is not None else {}
         while node is not None and node.op != "root":
             if SOURCE_KEY not in node.meta:
@@ -269,8 +277,18 @@ class SourceMode(TorchDispatchMode):
                     node.meta[SOURCE_KEY] = source
                 if module is not None:
                     node.meta[MODULE_KEY] = module
+                if grad_module is not None:
+                    node.meta[GRAD_MODULE_KEY] = grad_module
                 node.meta.update(carried)
             node = node.next
+
+    def _grad_module(self, autograd_node: Any) -> str | None:
+        """The submodule whose forward made the autograd node being run (for an
+        untagged node, such as an autocast cast inside an op, the last one seen)."""
+        tagged = cast("dict[str, Any]", autograd_node.metadata).get(MODULE_KEY)
+        if tagged is not None:
+            self.last_grad_module = tagged
+        return self.last_grad_module
 
     def _source(self) -> Source | None:
         if self.context is not None:

@@ -15,11 +15,24 @@ from typing import Any
 import optree
 import torch
 
-__all__ = ["MODULE_KEY", "SOURCE_KEY", "Source", "module_path", "module_scopes", "user_source", "is_library", "where"]
+__all__ = [
+    "GRAD_MODULE_KEY",
+    "MODULE_KEY",
+    "SOURCE_KEY",
+    "Source",
+    "module_path",
+    "module_scopes",
+    "user_source",
+    "is_library",
+    "where",
+]
 
 SOURCE_KEY = "sgraph_source"
 MODULE_KEY = "sgraph_module"
 """Node meta key: the path of the submodule whose forward made the node (``blocks.3.fc``)."""
+GRAD_MODULE_KEY = "sgraph_grad_module"
+"""Node meta key of a backward node: the path of the submodule whose forward op it
+differentiates (kept apart from ``MODULE_KEY``, which names forward ops only)."""
 _SKIP_DIRS = tuple(
     os.path.dirname(m.__file__) + os.sep for m in (torch, optree, sys.modules[__package__]) if m.__file__
 ) + (os.path.dirname(contextlib.__file__) + os.sep + "contextlib.py",)

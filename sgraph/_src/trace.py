@@ -45,7 +45,7 @@ from .errors import CaptureError
 from .hidden import find_hidden_tensor
 from .patterns import LinearCrossEntropyMode
 from .program import LeafInfo, Program, alias_root, placeholders, returned, written_args
-from .source import MODULE_KEY
+from .source import GRAD_MODULE_KEY, MODULE_KEY
 from .tags import TAGS_KEY
 
 __all__ = ["ArgLayout", "trace", "arg_layout", "positional_names"]
@@ -265,7 +265,7 @@ class _Replay(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         self.current = n.meta.get(SOURCE_KEY)
-        self.carried = {key: n.meta[key] for key in (MODULE_KEY, TAGS_KEY) if key in n.meta}
+        self.carried = {key: n.meta[key] for key in (MODULE_KEY, GRAD_MODULE_KEY, TAGS_KEY) if key in n.meta}
         return super().run_node(n)
 
 
