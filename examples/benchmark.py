@@ -128,7 +128,9 @@ def variant_handmade_graph(workload: str, compiled: bool, fused: bool) -> Callab
     return graph.replay
 
 
-def variant_sg_static(workload: str, fuse: bool = False, plan: dict | None = None) -> Callable[[], None]:
+def variant_sg_static(
+    workload: str, fuse: bool = False, plan: dict | None = None, fuse_options: dict | None = None
+) -> Callable[[], None]:
     model, batch, loss = build(workload)
     apply, params, buffers = sg.functional(model)
     opt = sg.optim.adamw(LR, weight_decay=WEIGHT_DECAY)
@@ -145,7 +147,7 @@ def variant_sg_static(workload: str, fuse: bool = False, plan: dict | None = Non
         updates, opt_state = opt.update(grads, opt_state, params)
         return sg.optim.apply_updates(params, updates), opt_state, {"loss": value}
 
-    body = sg.fuse(step) if fuse else step
+    body = sg.fuse(**(fuse_options or {}))(step) if fuse else step
     body = sg.plan_memory(**plan)(body) if plan is not None else body
     train_step = sg.static(body, donate=("params", "opt_state"))
 
@@ -173,6 +175,10 @@ VARIANTS: dict[str, tuple[str, Callable[[str], Callable[[], None]]]] = {
     ),
     "sg-static": ("sg.static (eager kernels, one CUDA graph)", variant_sg_static),
     "sg-fuse": ("sg.static + sg.fuse (generated kernels, one CUDA graph)", lambda w: variant_sg_static(w, fuse=True)),
+    "sg-fuse-reuse": (
+        "sg.static + sg.fuse(reuse_blocks=True) (a repeated block compiled once)",
+        lambda w: variant_sg_static(w, fuse=True, fuse_options={"reuse_blocks": True}),
+    ),
     "sg-plan": ("sg.static + sg.plan_memory() (eager kernels)", lambda w: variant_sg_static(w, plan={})),
     "sg-fuse-plan": (
         "sg.static + sg.fuse + sg.plan_memory()",
@@ -219,6 +225,7 @@ def measure(make: Callable[[str], Callable[[], None]], workload: str, steps: int
         stats = step.last_compiled.stats
         result.update(kernels=stats.kernel_launches, traces=stats.traces, capture_s=stats.capture_seconds)
         result.update(trace_s=stats.trace_seconds, compile_s=stats.compile_seconds, unfused=stats.kernels_unfused)
+        result.update(block_calls=stats.block_calls, block_subgraphs=stats.block_subgraphs)
         result.update(predicted_mib=stats.memory_predicted / 2**20, step_peak_mib=_mib(stats.memory_measured))
         result.update(step_reserved_mib=_mib(stats.memory_reserved), base_mib=base / 2**20)
     del run

@@ -316,7 +316,7 @@ class Transformed:
         if fuse is not None:
             fuse_shown = [
                 f"{k}={getattr(fuse, k)!r}"
-                for k in ("autotune", "kernels")
+                for k in ("autotune", "kernels", "reuse_blocks")
                 if getattr(fuse, k) != getattr(FuseOptions(), k)
             ]
             if self.options.static is not None:
@@ -398,7 +398,7 @@ def static(
 def fuse(fn: Callable[..., Any], /) -> Transformed: ...
 @overload
 def fuse(
-    *, autotune: bool = False, kernels: str | Sequence[str] = "all"
+    *, autotune: bool = False, kernels: str | Sequence[str] = "all", reuse_blocks: bool = False
 ) -> Callable[[Callable[..., Any]], Transformed]: ...
 
 
@@ -408,6 +408,7 @@ def fuse(
     *,
     autotune: bool = False,
     kernels: str | Sequence[str] = "all",
+    reuse_blocks: bool = False,
     **unknown: Any,
 ) -> Transformed | Callable[[Callable[..., Any]], Transformed]:
     """Compile the whole step into generated kernels (Triton on a GPU, C++ on CPU).
@@ -429,6 +430,14 @@ def fuse(
             a name, a tuple of names, or ``()`` for none. Known:
             ``"linear_cross_entropy"`` (``F.cross_entropy(x @ W.T, y)`` computed in
             row chunks, never materializing the full logits).
+        reuse_blocks: compile a repeated block (the copies of an entry of an
+            ``nn.ModuleList`` or ``nn.Sequential``: a transformer's layers) once,
+            forward and backward, and call that code for each copy, instead of
+            lowering and scheduling every copy: a shorter compile (on the H200,
+            gpt-mini's 14.1 s -> 9.6 s), at the cost of the fusions across a block's
+            edge (+0.7% to +3.5% per step). Off by default: a long run earns the
+            faster step back. Not applied to a step planned by ``sg.plan_memory``
+            (its recomputed copies are placed across blocks).
 
     Returns:
         A :class:`Transformed` step; stack with ``sg.static`` in either order.
@@ -442,14 +451,17 @@ def fuse(
         ... @sg.fuse
         ... def train_step(params, opt_state, batch): ...
     """
-    check_unknown("sg.fuse", unknown, ("autotune", "kernels"))
+    check_unknown("sg.fuse", unknown, ("autotune", "kernels", "reuse_blocks"))
 
     def wrap(f: Callable[..., Any]) -> Transformed:
         api = f"sg.fuse({_name(f)})"
         if not isinstance(autotune, bool):
             raise ArgumentTypeError(f"{api}: autotune must be True or False; found {autotune!r}.")
+        if not isinstance(reuse_blocks, bool):
+            raise ArgumentTypeError(f"{api}: reuse_blocks must be True or False; found {reuse_blocks!r}.")
         base, options = _unwrap(f, "fuse")
-        return Transformed(base, options.with_fuse(FuseOptions(autotune, check_kernels(api, kernels))))
+        fuse_options = FuseOptions(autotune, check_kernels(api, kernels), reuse_blocks)
+        return Transformed(base, options.with_fuse(fuse_options))
 
     return wrap if fn is None else wrap(fn)
 

@@ -59,6 +59,7 @@ class FuseOptions:
 
     autotune: bool = False
     kernels: tuple[str, ...] = OWN_KERNELS
+    reuse_blocks: bool = False
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,10 @@ class CompiledStats:
             step (generated kernels, library matmuls and own kernels alike).
         compile_seconds: under ``sg.fuse``, time spent generating kernels (on-disk
             cache hits included).
+        block_calls / block_subgraphs: under ``sg.fuse``, how many copies of repeated
+            blocks (forward and backward apart) call code compiled once, and how many
+            distinct compiled blocks they call (``sg.fuse(reuse_blocks=...)``; 0 when
+            none was found).
         memory_predicted: the predicted peak bytes of one step
             (``Lowered.memory_analysis()``).
         memory_measured: under ``sg.static`` on a GPU, the peak bytes allocated
@@ -88,6 +92,8 @@ class CompiledStats:
     kernels_unfused: int | None = None
     kernels_fused: int | None = None
     compile_seconds: float | None = None
+    block_calls: int | None = None
+    block_subgraphs: int | None = None
     memory_predicted: int | None = None
     memory_measured: int | None = None
     memory_reserved: int | None = None
@@ -102,7 +108,15 @@ class CompiledStats:
         return f"CompiledStats({', '.join(fields)})"
 
 
-_OPTIONAL_STATS = ("kernels_unfused", "kernels_fused", "compile_seconds", "memory_measured", "memory_reserved")
+_OPTIONAL_STATS = (
+    "kernels_unfused",
+    "kernels_fused",
+    "compile_seconds",
+    "block_calls",
+    "block_subgraphs",
+    "memory_measured",
+    "memory_reserved",
+)
 
 
 class _Stage:
@@ -321,6 +335,8 @@ class Compiled(_Stage):
             kernels_unfused=None if fused is None else compute_ops(self.program),
             kernels_fused=None if fused is None else fused.kernels.count,
             compile_seconds=None if fused is None else fused.compile_seconds,
+            block_calls=None if fused is None else fused.block_calls,
+            block_subgraphs=None if fused is None else fused.block_subgraphs,
             memory_predicted=self.lowered.memory_analysis().peak_bytes,
             memory_measured=None if measured is None else measured[0],
             memory_reserved=None if measured is None else measured[1],

@@ -37,6 +37,7 @@ from ..passes.memory.remat import RECOMPUTED_KEY
 from ..program import Program, memory_root, output_node, placeholders, returned
 from .inductor_kernels import KernelMap, kernel_map
 from .progress import progress
+from .regions import Outlined, outline_blocks
 
 __all__ = ["InductorExecutable", "copies_in_place", "inductor_config"]
 
@@ -60,9 +61,18 @@ class InductorExecutable:
         self._roots = [memory_root(values[o]) if isinstance(values[o], torch.fx.Node) else None for o in self._kept]
         self._count = len(values)
         planned = program.memory_plan is not None
-        self._compiled: Any = _compile(program.name, gm, _independent_examples(program), options, planned)
+        examples = _independent_examples(program)
+        outlined = outline_blocks(gm) if options.reuse_blocks and not planned else Outlined(gm)
+        try:
+            self._compiled: Any = _compile(program.name, outlined.gm, examples, options, planned)
+        except CaptureError:
+            if outlined.gm is gm:
+                raise
+            outlined = Outlined(gm)  # Inductor refused the block calls: the same step inline
+            self._compiled = _compile(program.name, gm, examples, options, planned)
+        self.block_calls, self.block_subgraphs = outlined.calls, outlined.subgraphs
         self.compile_seconds = time.perf_counter() - start
-        self.kernels: KernelMap = kernel_map(self._compiled)
+        self.kernels: KernelMap = kernel_map(self._compiled, outlined.members)
         self.kernel_launches: int | None = None
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -110,7 +120,7 @@ def _compile(
     from torch._inductor.compile_fx import compile_fx
 
     in_place = copies_in_place(gm) if planned else contextlib.nullcontext()
-    with _COMPILE_LOCK, progress(f"{name}: generating kernels"), inductor_config(options), in_place:
+    with _COMPILE_LOCK, progress(f"{name}: generating kernels"), inductor_config(options), in_place, _short_op_text():
         try:
             return compile_fx(gm, examples)
         except Exception as error:
@@ -124,6 +134,58 @@ def _compile(
                 f"{text}. sg.static alone runs the same program on ATen kernels; pass fallback='eager' to "
                 "run the step uncaptured instead of raising."
             ) from error
+
+
+@contextlib.contextmanager
+def _short_op_text() -> Iterator[None]:
+    """While this thread compiles, Inductor describes an op's arguments by name, shape
+    and dtype instead of printing their whole IR.
+
+    Inductor prints an op and its arguments' IR where it falls back to an ATen kernel
+    (it logs that eagerly on torch 2.11, whether logging is on or not) and in its
+    errors. The IR of a value made by a subgraph call prints the call's inputs, which
+    print theirs: through twelve outlined transformer blocks that text grows
+    exponentially (gpt-mini's first compile took 84 s instead of 12, printing it)."""
+    from torch._inductor import exc
+
+    issue = exc.OperatorIssue
+    full = issue.__dict__["operator_str"]
+    thread = threading.get_ident()
+
+    def operator_str(target: Any, args: Any, kwargs: Any) -> str:
+        if threading.get_ident() != thread:
+            return str(full.__func__(target, args, kwargs))
+        lines = [f"target: {target}"] + [f"args[{i}]: {_short_ir(a)}" for i, a in enumerate(args)]
+        if kwargs:
+            lines.append(f"kwargs: {_short_ir(kwargs)}")
+        return "\n".join("  " + line for line in lines)
+
+    issue.operator_str = staticmethod(operator_str)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        issue.operator_str = full  # type: ignore[method-assign]
+
+
+def _short_ir(value: Any, depth: int = 0) -> str:
+    """One line for an argument of an Inductor op: an IR node by its name, size and
+    dtype; containers item by item (the first 8, two levels down)."""
+    if isinstance(value, (list, tuple)):
+        items = [_short_ir(v, depth + 1) for v in value[:8]] if depth < 2 else ["..."]
+        return "[" + ", ".join(items) + (", ..." if len(value) > 8 else "") + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_short_ir(v, depth + 1)}" for k, v in list(value.items())[:8]) + "}"
+    name = getattr(value, "get_name", None)
+    if callable(name) and type(value).__module__.startswith("torch._inductor"):
+        parts = []
+        for what in ("get_name", "get_size", "get_dtype"):
+            try:
+                parts.append(str(getattr(value, what)()))
+            except Exception:  # an IR node without that (a view, a multi-output)
+                continue
+        return f"{type(value).__name__}({', '.join(parts)})"
+    text = repr(value)
+    return text if len(text) <= 120 else text[:120] + "..."
 
 
 def _without_loop_reordering(

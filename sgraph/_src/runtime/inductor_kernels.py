@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,15 +44,27 @@ class KernelMap:
     of_node: dict[str, tuple[Kernel, ...]] = field(default_factory=dict)
 
 
-def kernel_map(compiled: Any) -> KernelMap:
-    """The kernel map of what ``compile_fx`` returned (empty if it cannot be read)."""
+def kernel_map(compiled: Any, blocks: Sequence[tuple[str, str, tuple[str, ...]]] = ()) -> KernelMap:
+    """The kernel map of what ``compile_fx`` returned (empty if it cannot be read).
+
+    Args:
+        compiled: what ``compile_fx`` returned.
+        blocks: the calls of outlined blocks in the graph compiled (``Outlined.members``):
+            their nodes are mapped to the call of the block's code, which is listed
+            as one entry with the kernels it runs.
+    """
     graph = _output_code(compiled)
     if graph is None:
         return KernelMap()
+    if blocks:
+        return _with_blocks(graph, blocks)
     mapping = _provenance(graph)
     if mapping is None:
         return KernelMap(count=_count_calls(getattr(graph, "source_code", None) or ""))
-    pre_to_post, code_to_post = mapping
+    return _mapped(*mapping)
+
+
+def _mapped(pre_to_post: dict[str, list[str]], code_to_post: dict[str, list[str]]) -> KernelMap:
     post_to_pre: dict[str, list[str]] = {}
     for pre, posts in pre_to_post.items():
         for post in posts:
@@ -88,6 +101,82 @@ def _provenance(graph: Any) -> tuple[dict[str, list[str]], dict[str, list[str]]]
 
 
 _CALL = re.compile(r"^\s+(?:\w+\.run\(|extern_kernels\.\w+\(|cpp_fused_\w+\(|torch\.ops\.\w+\.\w+)", re.M)
+_SUBGRAPH_CALL = re.compile(r"^\s+\w+ = (\w+)\(\1_args\)", re.M)
+_DEF = re.compile(r"^\s*def (\w+)\(", re.M)
+_KERNEL_NAME = re.compile(r"^\s+(?:(\w+)\.run\(|(extern_kernels\.\w+)\(|(cpp_fused_\w+)\(|(torch\.ops\.[\w.]+))", re.M)
+
+
+def _with_blocks(graph: Any, blocks: Sequence[tuple[str, str, tuple[str, ...]]]) -> KernelMap:
+    """The kernel map of a step whose repeated blocks call shared code, read from the
+    generated source: ``call``'s kernels in order, each block call one entry (named
+    after the code it calls, with its kernel count), and each block call's nodes
+    mapped to it; the other nodes are mapped through Inductor's provenance, by kernel
+    name and occurrence (its record of what runs inside a block's code is not kept
+    apart from the step's own)."""
+    source = getattr(graph, "source_code", None) or ""
+    bodies = _bodies(source)
+    if "call" not in bodies:
+        return KernelMap()
+    kernels: list[Kernel] = []
+    seen: dict[str, int] = {}
+    calls = iter(blocks)
+    count = 0
+    for line in bodies["call"].splitlines():
+        sub = _SUBGRAPH_CALL.match(line)
+        if sub is not None and sub.group(1) in bodies:
+            _, _, nodes = next(calls, ("", "", ()))
+            inner = _kernel_count(sub.group(1), bodies)
+            kernels.append(Kernel(f"{sub.group(1)} ({inner} kernels)", len(kernels) + 1, nodes))
+            count += inner
+            continue
+        found = _KERNEL_NAME.match(line)
+        if found is not None:
+            name = next(g for g in found.groups() if g)
+            seen[name] = seen.get(name, 0) + 1
+            kernels.append(Kernel(name, len(kernels) + 1, (f"{name}#{seen[name]}",)))
+            count += 1
+    named = _provenance_by_occurrence(graph)
+    kernels = [
+        Kernel(k.name, k.index, named.get(k.nodes[0], ())) if k.nodes and "#" in k.nodes[0] else k for k in kernels
+    ]
+    of_node: dict[str, list[Kernel]] = {}
+    for kernel in kernels:
+        for node in kernel.nodes:
+            of_node.setdefault(node, []).append(kernel)
+    return KernelMap(tuple(kernels), count, {k: tuple(v) for k, v in of_node.items()})
+
+
+def _bodies(source: str) -> dict[str, str]:
+    """The text of each function defined in the generated source, by name."""
+    starts = [(m.start(), m.group(1)) for m in _DEF.finditer(source)]
+    ends = [start for start, _ in starts[1:]] + [len(source)]
+    return {name: source[start:end] for (start, name), end in zip(starts, ends)}
+
+
+def _kernel_count(name: str, bodies: dict[str, str], depth: int = 0) -> int:
+    """Kernel calls one run of the generated function ``name`` makes, its subgraphs' included."""
+    body = bodies.get(name, "")
+    inner = [m.group(1) for m in _SUBGRAPH_CALL.finditer(body) if m.group(1) in bodies and depth < 8]
+    return len(_CALL.findall(body)) + sum(_kernel_count(sub, bodies, depth + 1) for sub in inner)
+
+
+def _provenance_by_occurrence(graph: Any) -> dict[str, tuple[str, ...]]:
+    """``"kernel_name#k"`` (the k-th call of that name at the step's own level) -> the
+    nodes Inductor's provenance says it computes; kernels reading block calls'
+    results through their inputs are left out, since their record mixes in the
+    block code's own nodes."""
+    mapping = _provenance(graph)
+    if mapping is None:
+        return {}
+    plain = _mapped(*mapping)
+    found: dict[str, tuple[str, ...]] = {}
+    seen: dict[str, int] = {}
+    for kernel in plain.kernels:
+        if any(n.startswith(("invoke_subgraph", "repeated_subgraph")) for n in kernel.nodes):
+            continue
+        seen[kernel.name] = seen.get(kernel.name, 0) + 1
+        found[f"{kernel.name}#{seen[kernel.name]}"] = tuple(n for n in kernel.nodes if "subgraph" not in n)
+    return found
 
 
 def _count_calls(source: str) -> int | None:
