@@ -139,6 +139,52 @@ def test_a_block_writing_into_its_input_is_left_inline():
     assert outline_blocks(gm, min_ops=1).calls == 0
 
 
+def test_a_block_drawing_random_numbers_is_left_inline():
+    """Shared code would draw the same dropout mask in every copy."""
+
+    def fn(x):
+        for _ in range(2):
+            y, _ = torch.ops.aten.native_dropout(x.sin(), 0.5, True)
+            x = y.cos()
+        return x
+
+    gm = _stamped(fn, torch.randn(4), blocks=2, per_block=5)
+    assert outline_blocks(gm, min_ops=1).calls == 0
+
+    def no_dropout(x):  # the same with p = 0 draws nothing: shared
+        for _ in range(2):
+            y, _ = torch.ops.aten.native_dropout(x.sin(), 0.0, True)
+            x = y.cos()
+        return x
+
+    assert outline_blocks(_stamped(no_dropout, torch.randn(4), blocks=2, per_block=5), min_ops=1).calls == 2
+
+
+@pytest.mark.parametrize("collective", [True, False])
+def test_a_block_with_a_collective_is_left_inline(collective):
+    """Collectives stay where sg.shard's overlap pass put them."""
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    with torch._subclasses.FakeTensorMode():
+        val = torch.empty(4)
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = val
+    for b in range(2):
+        a = graph.call_function(aten.sin.default, (x,))
+        if collective:
+            r = graph.call_function(c10d.all_reduce.default, (a, "sum", "0"))
+            w = graph.call_function(c10d.wait_tensor.default, (r,))
+        else:
+            r = graph.call_function(aten.exp.default, (a,))
+            w = graph.call_function(aten.tanh.default, (r,))
+        x = graph.call_function(aten.cos.default, (w,))
+        for node in (a, r, w, x):
+            node.meta.update({"val": val, MODULE_KEY: f"layers.{b}.f"})
+    graph.output(x)
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert outline_blocks(gm, min_ops=1).calls == (0 if collective else 2)
+
+
 def test_a_view_read_outside_is_taken_again_outside_the_call():
     def fn(x):
         views = []

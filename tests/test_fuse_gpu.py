@@ -121,7 +121,7 @@ def test_fused_cross_entropy_inside_the_cuda_graph_matches_eager(bf16):
     params = {k: v.clone() for k, v in params.items()}
     opt = sg.optim.adamw(1e-3, weight_decay=0.01)
     plain = train_step_fn(apply, gpt_loss, opt, autocast=cuda_bf16_autocast(bf16))
-    fused = sg.static(sg.fuse(reuse_blocks=reuse_blocks)(plain), donate=("params", "opt_state"))
+    fused = sg.static(sg.fuse(plain), donate=("params", "opt_state"))
     state = opt.init(params)
     eager_params, eager_state = copy.deepcopy(params), copy.deepcopy(state)
     for _ in range(20):

@@ -345,17 +345,17 @@ def test_a_failed_trace_leaves_the_process_as_it_was(step):
 
 
 def test_only_ops_that_draw_random_numbers_count_as_recomputed_randomness():
-    from sgraph._src.capture import _draws_random_numbers
+    from sgraph._src.capture import draws_random_numbers
 
     aten = torch.ops.aten
     q = torch.ones(1, 1, 2, 4)
-    assert _draws_random_numbers(aten.native_dropout.default, (q, 0.5, True), {})
-    assert not _draws_random_numbers(aten.native_dropout.default, (q, 0.0, True), {})
-    assert not _draws_random_numbers(aten.native_dropout.default, (q, 0.5, False), {})
-    assert not _draws_random_numbers(aten._scaled_dot_product_flash_attention.default, (q, q, q), {})
-    assert _draws_random_numbers(aten._scaled_dot_product_flash_attention.default, (q, q, q, 0.1), {})
+    assert draws_random_numbers(aten.native_dropout.default, (q, 0.5, True), {})
+    assert not draws_random_numbers(aten.native_dropout.default, (q, 0.0, True), {})
+    assert not draws_random_numbers(aten.native_dropout.default, (q, 0.5, False), {})
+    assert not draws_random_numbers(aten._scaled_dot_product_flash_attention.default, (q, q, q), {})
+    assert draws_random_numbers(aten._scaled_dot_product_flash_attention.default, (q, q, q, 0.1), {})
     backward = aten._scaled_dot_product_cudnn_attention_backward.default
-    assert torch.Tag.nondeterministic_seeded in backward.tags and not _draws_random_numbers(backward, (), {})
+    assert torch.Tag.nondeterministic_seeded in backward.tags and not draws_random_numbers(backward, (), {})
 
 
 def test_checkpointed_attention_without_dropout_matches_eager():

@@ -47,6 +47,7 @@ __all__ = [
     "quiet_torch_logs",
     "trace_guards",
     "SOURCE_KEY",
+    "draws_random_numbers",
 ]
 
 _HOST_VALUE = {
@@ -329,7 +330,7 @@ class SourceMode(TorchDispatchMode):
         numbers; a traced step records two independent draws, and the gradient would
         no longer be the gradient of the forward it differentiates.
         """
-        if torch._C._current_autograd_node() is None or not _draws_random_numbers(func, args, kwargs):
+        if torch._C._current_autograd_node() is None or not draws_random_numbers(func, args, kwargs):
             return
         source = self._source()
         raise CaptureError(
@@ -371,7 +372,7 @@ def _data_dependent_message(api: str, op: str, source: Source | None) -> str:
     )
 
 
-def _draws_random_numbers(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+def draws_random_numbers(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
     """Whether a forward op draws from the generator on this call.
 
     Backward ops tagged random (attention backward with dropout) replay the seed their

@@ -13,7 +13,8 @@ Which block a node belongs to comes from the module path the tracer stamped on i
 does not rest on those labels: a region is taken out only when doing so keeps the
 graph's order valid (no outside op both reads from it and feeds it), its outputs
 neither alias its inputs nor each other, and it contains no op that writes into its
-arguments; copies share a subgraph only when their ops match one for one.
+arguments or draws random numbers (each copy must draw its own); copies share a
+subgraph only when their ops match one for one.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from ..capture import draws_random_numbers
 from ..program import memory_root, readers, written_args
 from ..source import GRAD_MODULE_KEY, MODULE_KEY
 
@@ -118,7 +120,7 @@ def _region(key: tuple[str, str], members: list[torch.fx.Node], order: dict[torc
     Its outputs are the values read outside it; where that value is a view (the
     transposed query saved for the backward, say), the call returns the view's base and
     the view is taken again outside, so no two outputs share memory."""
-    if any(written_args(n) or not _functional(n) for n in members):
+    if any(written_args(n) or not _functional(n) or _draws_random_numbers(n) for n in members):
         return None
     inside = set(members)
     _drop_outer_views(inside, members)
@@ -150,13 +152,23 @@ def _view_chain_is_closed(view: torch.fx.Node, inside: set[torch.fx.Node]) -> bo
     return all(a in known or a not in inside for node in chain for a in node.all_input_nodes)
 
 
+_COLLECTIVES = ("_c10d_functional", "c10d_functional", "c10d", "_dtensor")
+
+
 def _functional(node: torch.fx.Node) -> bool:
-    """An ATen op (or a ``getitem`` of one) whose result is a tensor or tensors."""
+    """An op (or a ``getitem`` of one) that writes nothing and communicates with no
+    other rank: collectives stay where sg.shard's overlap pass put them."""
     if node.target is operator.getitem:
         return True
-    if not isinstance(node.target, torch._ops.OpOverload):
+    if not isinstance(node.target, torch._ops.OpOverload) or node.target.namespace in _COLLECTIVES:
         return False
     return not node.target._schema.is_mutable
+
+
+def _draws_random_numbers(node: torch.fx.Node) -> bool:
+    """Whether the op draws from a generator: a call of shared code would draw the same
+    numbers in every copy (Inductor fixes a random op's seed offset where it lowers it)."""
+    return isinstance(node.target, torch._ops.OpOverload) and draws_random_numbers(node.target, node.args, node.kwargs)
 
 
 def _drop_outer_views(inside: set[torch.fx.Node], members: list[torch.fx.Node]) -> None:
