@@ -34,14 +34,17 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, hidden: tuple[int, ...] = (16, 16, 16), d: int = 8) -> None:
+    def __init__(self, hidden: tuple[int, ...] = (16, 16, 16), d: int = 8, between: float = 1.0) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(Block(d, h) for h in hidden)
         self.head = nn.Linear(d, 4)
+        self.between = between
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = block(x)
+            if self.between != 1.0:
+                x = x * self.between  # an op of no submodule, between two blocks
         return self.head(x)
 
 
@@ -83,10 +86,15 @@ def test_blocks_of_a_module_list_call_one_forward_and_one_backward_subgraph():
 
 
 def test_backward_ops_carry_the_block_they_differentiate():
-    program, _ = grads_program(Net())
+    program, _ = grads_program(Net(between=3.0))
     backward = {n.meta[GRAD_MODULE_KEY] for n in program.graph.nodes if GRAD_MODULE_KEY in n.meta}
     assert {path.split(".")[1] for path in backward if path.startswith("blocks.")} == {"0", "1", "2"}
     assert not any(MODULE_KEY in n.meta and GRAD_MODULE_KEY in n.meta for n in program.graph.nodes)
+    # The backward of the scaling between blocks belongs to no block.
+    scalings = [n for n in program.graph.nodes if n.target is torch.ops.aten.mul.Tensor and 3.0 in n.args]
+    backward_scalings = [n for n in scalings if MODULE_KEY not in n.meta]
+    assert len(scalings) == 6 and len(backward_scalings) == 3
+    assert not any(GRAD_MODULE_KEY in n.meta for n in backward_scalings)
 
 
 def test_blocks_of_other_shapes_share_nothing():

@@ -213,8 +213,7 @@ def _tag_grad_fns(out: Any) -> None:
             source = source or user_source()
             if source is not None:
                 fn.metadata[SOURCE_KEY] = source
-            if module is not None:
-                fn.metadata[MODULE_KEY] = module
+            fn.metadata[MODULE_KEY] = module or ""  # "": made outside any submodule
 
 
 class SourceMode(TorchDispatchMode):
@@ -285,10 +284,11 @@ class SourceMode(TorchDispatchMode):
 
     def _grad_module(self, autograd_node: Any) -> str | None:
         """The submodule whose forward made the autograd node being run (for an
-        untagged node, such as an autocast cast inside an op, the last one seen)."""
+        untagged node, such as an autocast cast inside an op, the last one seen;
+        None for a node made outside any submodule)."""
         tagged = cast("dict[str, Any]", autograd_node.metadata).get(MODULE_KEY)
         if tagged is not None:
-            self.last_grad_module = tagged
+            self.last_grad_module = tagged or None
         return self.last_grad_module
 
     def _source(self) -> Source | None:
