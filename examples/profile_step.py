@@ -4,12 +4,14 @@
 
 Builds the benchmark's workloads (see benchmark.py), replays each compiled step a
 few times under torch.profiler and prints, per variant, the kernels that take the
-most GPU time per step, with their launches per step.
+most GPU time per step, with their launches per step and, for generated kernels, the
+step's ATen ops each one computes (from ``Compiled.as_text()``).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 from collections import defaultdict
 
 import torch
@@ -19,9 +21,27 @@ from torch.profiler import ProfilerActivity, profile
 STEPS = 5
 
 
-def kernel_table(workload: str, variant: str) -> tuple[float, list[tuple[str, float, float]]]:
-    """GPU ms per step in total, and (kernel, ms per step, launches per step), most time first."""
+_LISTED = re.compile(r"^\s+#\d+ (\S+)(?: \(\d+ kernels\))?: (.*)$")
+
+
+def kernel_ops(text: str) -> dict[str, str]:
+    """Kernel name -> the ATen ops it computes, read from the kernel list that ends
+    ``Compiled.as_text()`` under ``sg.fuse`` (a kernel called more than once: its first call)."""
+    start = text.find("kernels (")
+    found: dict[str, str] = {}
+    for line in text[start:].splitlines()[1:] if start >= 0 else ():
+        match = _LISTED.match(line)
+        if match is not None:
+            found.setdefault(match.group(1), match.group(2))
+    return found
+
+
+def kernel_table(workload: str, variant: str) -> tuple[float, list[tuple[str, float, float]], dict[str, str]]:
+    """GPU ms per step in total; (kernel, ms per step, launches per step), most time first;
+    and, under sg.fuse, the ATen ops of each generated kernel."""
     run = VARIANTS[variant][1](workload)
+    step = getattr(run, "step", None)
+    ops = kernel_ops(step.last_compiled.as_text()) if step is not None else {}
     for _ in range(5):
         run()
     torch.cuda.synchronize()
@@ -38,7 +58,7 @@ def kernel_table(workload: str, variant: str) -> tuple[float, list[tuple[str, fl
     rows = sorted(((k, time[k], count[k] / STEPS) for k in time), key=lambda r: -r[1])
     del run
     torch._dynamo.reset()
-    return sum(time.values()), rows
+    return sum(time.values()), rows, ops
 
 
 def main() -> None:
@@ -51,13 +71,14 @@ def main() -> None:
     torch.backends.cudnn.allow_tf32 = True
     for workload in args.workloads:
         for variant in args.variants:
-            total, rows = kernel_table(workload, variant)
+            total, rows, ops = kernel_table(workload, variant)
             launches = sum(r[2] for r in rows)
             print(f"\n### {workload}, {VARIANTS[variant][0]}: {total:.3f} GPU ms per step, {launches:.0f} kernels\n")
-            print("| kernel | ms per step | % | launches per step |")
-            print("|---|---|---|---|")
+            print("| kernel | ms per step | % | launches per step | ATen ops (generated kernels) |")
+            print("|---|---|---|---|---|")
             for name, ms, n in rows[: args.top]:
-                print(f"| `{name[:90]}` | {ms:.3f} | {100 * ms / total:.1f} | {n:g} |")
+                computes = ops.get(name, "")[:100]
+                print(f"| `{name[:90]}` | {ms:.3f} | {100 * ms / total:.1f} | {n:g} | {computes} |")
 
 
 if __name__ == "__main__":

@@ -125,6 +125,15 @@ def test_as_text_names_the_kernel_of_each_op(run):
     assert re.search(r"#\d+ torch\.ops\.sgraph\.adamw_\.default: .*%adamw__default", text), text
 
 
+def test_the_profile_script_reads_each_kernels_ops_from_as_text(run):
+    from profile_step import kernel_ops
+
+    ops = kernel_ops(run["fused"].last_compiled.as_text())
+    assert ops and all(name and text.startswith("%") for name, text in ops.items())
+    assert any("gelu" in text for text in ops.values())
+    assert kernel_ops("no kernel list") == {}
+
+
 def test_the_compile_goes_through_inductors_persistent_caches(run):
     """A bypassed cache (e.g. example inputs without a shape environment) would make
     every new process compile from scratch."""
