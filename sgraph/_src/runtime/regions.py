@@ -69,8 +69,8 @@ def outline_blocks(gm: torch.fx.GraphModule, min_ops: int = MIN_OPS) -> Outlined
     graph = gm.graph
     order = {node: i for i, node in enumerate(graph.nodes)}
     groups: dict[str, list[_Region]] = {}
-    for key, labelled in _labelled(graph).items():
-        region = _region(key, labelled, order)
+    for labelled in _labelled(graph).values():
+        region = _region(labelled, order)
         if region is not None and sum(1 for n in region.nodes if n.target is not operator.getitem) >= min_ops:
             groups.setdefault(region.signature, []).append(region)
     shared = [regions for regions in groups.values() if len(regions) > 1]
@@ -114,7 +114,7 @@ class _Region:
     signature: str
 
 
-def _region(key: tuple[str, str], members: list[torch.fx.Node], order: dict[torch.fx.Node, int]) -> _Region | None:
+def _region(members: list[torch.fx.Node], order: dict[torch.fx.Node, int]) -> _Region | None:
     """The region of one block copy, or None when it cannot be taken out as a call.
 
     Its outputs are the values read outside it; where that value is a view (the
