@@ -13,8 +13,8 @@ Which block a node belongs to comes from the module path the tracer stamped on i
 does not rest on those labels: a region is taken out only when doing so keeps the
 graph's order valid (no outside op both reads from it and feeds it), its outputs
 neither alias its inputs nor each other, and it contains no op that writes into its
-arguments or draws random numbers (each copy must draw its own); copies share a
-subgraph only when their ops match one for one.
+arguments, draws random numbers (each copy must draw its own) or communicates with
+other ranks; copies share a subgraph only when their ops match one for one.
 """
 
 from __future__ import annotations
