@@ -206,14 +206,13 @@ def _tag_grad_fns(out: Any) -> None:
     made them, for the backward ops they will record."""
     outs = out if isinstance(out, (tuple, list)) else (out,)
     source = None
-    module = module_path()
     for t in outs:
         fn = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
         if fn is not None and SOURCE_KEY not in fn.metadata:
             source = source or user_source()
             if source is not None:
                 fn.metadata[SOURCE_KEY] = source
-            fn.metadata[MODULE_KEY] = module or ""  # "": made outside any submodule
+            fn.metadata[MODULE_KEY] = module_path() or ""  # "": made outside any submodule
 
 
 class SourceMode(TorchDispatchMode):

@@ -100,10 +100,10 @@ def _provenance(graph: Any) -> tuple[dict[str, list[str]], dict[str, list[str]]]
     return pre, code
 
 
-_CALL = re.compile(r"^\s+(?:\w+\.run\(|extern_kernels\.\w+\(|cpp_fused_\w+\(|torch\.ops\.\w+\.\w+)", re.M)
+_CALL = re.compile(r"^\s+(?:(\w+)\.run\(|(extern_kernels\.\w+)\(|(cpp_fused_\w+)\(|(torch\.ops\.\w+\.[\w.]+))", re.M)
+"""A kernel call of the generated code; its one matching group is the kernel's name."""
 _SUBGRAPH_CALL = re.compile(r"^\s+\w+ = (\w+)\(\1_args\)", re.M)
 _DEF = re.compile(r"^\s*def (\w+)\(", re.M)
-_KERNEL_NAME = re.compile(r"^\s+(?:(\w+)\.run\(|(extern_kernels\.\w+)\(|(cpp_fused_\w+)\(|(torch\.ops\.[\w.]+))", re.M)
 
 
 def _with_blocks(graph: Any, blocks: Sequence[tuple[str, str, tuple[str, ...]]]) -> KernelMap:
@@ -129,7 +129,7 @@ def _with_blocks(graph: Any, blocks: Sequence[tuple[str, str, tuple[str, ...]]])
             kernels.append(Kernel(f"{sub.group(1)} ({inner} kernels)", len(kernels) + 1, nodes))
             count += inner
             continue
-        found = _KERNEL_NAME.match(line)
+        found = _CALL.match(line)
         if found is not None:
             name = next(g for g in found.groups() if g)
             seen[name] = seen.get(name, 0) + 1
