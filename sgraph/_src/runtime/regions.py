@@ -166,8 +166,8 @@ def _functional(node: torch.fx.Node) -> bool:
 
 
 def _draws_random_numbers(node: torch.fx.Node) -> bool:
-    """Whether the op draws from a generator: a call of shared code would draw the same
-    numbers in every copy (Inductor fixes a random op's seed offset where it lowers it)."""
+    """Whether the op draws from a generator: Inductor seeds a random op where it lowers
+    it, so a call of shared code could draw the same numbers in every copy."""
     return isinstance(node.target, torch._ops.OpOverload) and draws_random_numbers(node.target, node.args, node.kwargs)
 
 
