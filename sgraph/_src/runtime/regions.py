@@ -29,7 +29,7 @@ import torch
 import torch.fx
 
 from ..capture import draws_random_numbers
-from ..program import memory_root, readers, written_args
+from ..program import graph_module, memory_root, readers, written_args
 from ..source import GRAD_MODULE_KEY, MODULE_KEY
 
 __all__ = ["Outlined", "outline_blocks"]
@@ -266,7 +266,7 @@ def _rebuild(
                     env[link] = new.node_copy(link, lambda n: env[n])
     for name, value in _attributes(gm):
         setattr(root, name, value)
-    out = torch.fx.GraphModule(root, new)
+    out = graph_module(root, new)
     out.graph.lint()
     return out, tuple(members)
 
@@ -288,7 +288,7 @@ def _subgraph(region: _Region) -> torch.fx.GraphModule:
     for node in region.nodes:
         env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(tuple(env[n] for n in region.outputs))
-    return torch.fx.GraphModule(torch.nn.Module(), graph)
+    return graph_module(torch.nn.Module(), graph)
 
 
 def _units_in_order(
