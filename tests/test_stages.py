@@ -59,6 +59,34 @@ def test_lower_runs_the_passes_and_compile_is_callable():
     assert torch.equal(new["w"], expected[0]["w"]) and torch.equal(metrics["loss"], expected[1]["loss"])
 
 
+def test_lowering_leaves_the_traced_program_as_it_was():
+    """The pipeline edits one copy of the traced graph in place: the traced program
+    keeps its listing and graph, and lowering it again gives the same program."""
+    params, batch = args()
+    traced = sg.static(step, donate="params").trace(params, batch)
+    text, graph_module = traced.as_text(), traced.program.graph_module
+    nodes = [(n.name, n.target, n.args) for n in traced.graph.nodes]
+    first, second = traced.lower(), traced.lower()
+    assert traced.as_text() == text and traced.program.graph_module is graph_module
+    assert [(n.name, n.target, n.args) for n in traced.graph.nodes] == nodes
+    assert first.program.graph_module is not graph_module
+    assert first.program.graph_module is not second.program.graph_module
+    assert first.as_text() == second.as_text() and first.as_text() != text
+    assert any(n.target is torch.ops.aten.detach.default for n in traced.program.ops())  # cleanup's work
+
+
+def test_a_pass_edits_in_place_only_when_asked():
+    from sgraph._src.passes.cleanup import cleanup
+
+    program = sg.static(step).trace(*args()).program
+    detached = lambda p: sum(n.target is torch.ops.aten.detach.default for n in p.ops())  # noqa: E731
+    before = detached(program)
+    copied = cleanup(program)
+    assert copied.graph_module is not program.graph_module and detached(program) == before > detached(copied) == 0
+    edited = cleanup(program, in_place=True)
+    assert edited.graph_module is program.graph_module and detached(program) == 0
+
+
 def test_graph_code_is_generated_on_the_first_eager_call_only(monkeypatch):
     generated = []
     recompile = torch.fx.GraphModule.recompile

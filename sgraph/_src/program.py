@@ -119,6 +119,12 @@ class Program:
         graph.output(graph.graph_copy(self.graph, {}))
         return graph_module(self.graph_module, graph)
 
+    def graph_module_to_edit(self, in_place: bool) -> torch.fx.GraphModule:
+        """What a pass edits: this program's own graph module when ``in_place`` (its
+        caller owns the program, as the pipeline owns its copy of the traced one), else
+        :meth:`copy_graph_module`."""
+        return self.graph_module if in_place else self.copy_graph_module()
+
     def written_inputs(self) -> set[int]:
         """Placeholder indices the graph writes into, directly or through a view."""
         index = {n: i for i, n in enumerate(placeholders(self.graph))}

@@ -21,17 +21,22 @@ _ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 _UNINITIALIZED = (torch.ops.aten.empty_strided.default, torch.ops.aten.empty.memory_format)
 
 
-def cleanup(program: Program) -> Program:
+def cleanup(program: Program, *, in_place: bool = False) -> Program:
     """Remove ``detach``/``alias`` nodes and dead code.
 
+    Args:
+        in_place: edit ``program``'s own graph instead of a copy (the pipeline does, on
+            the copy of the traced graph it owns).
+
     Returns:
-        A Program over a new graph module; the input's graph is untouched.
+        A Program over a new graph module (unless ``in_place``); the input's graph is
+        untouched.
 
     Example:
         >>> len(cleanup(program).ops()) <= len(program.ops())
         True
     """
-    gm = program.copy_graph_module()
+    gm = program.graph_module_to_edit(in_place)
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _ALIASES:
             node.replace_all_uses_with(node.args[0])

@@ -38,20 +38,25 @@ __all__ = ["donation"]
 Node = torch.fx.Node
 
 
-def donation(program: Program) -> Program:
+def donation(program: Program, *, in_place: bool = False) -> Program:
     """Record ``(output, donated input)`` pairs in ``program.aliases``; clone outputs
     that would share memory with a donated input.
+
+    Args:
+        in_place: edit ``program``'s own graph instead of a copy (the pipeline does, on
+            the copy of the traced graph it owns).
 
     Example:
         >>> donation(program).aliases   # output 0 goes into input 0, ...
         ((0, 0), (1, 1))
     """
-    gm = program.copy_graph_module()
+    written = program.written_inputs()  # of the graph as given: read before any edit
+    gm = program.graph_module_to_edit(in_place)
     inputs = placeholders(gm.graph)
     values = returned(gm.graph)
     donated = {inputs[i] for i in program.donated}
     _clone_sharing(gm, values, donated, skip=set())  # before matching: a view must not be written anywhere
-    aliases = _match(program, values, inputs)
+    aliases = _match(program, values, inputs, written)
     owners = {values[o] for o, _ in aliases if isinstance(values[o], Node)}
     _clone_sharing(gm, values, owners | donated, skip={o for o, _ in aliases})
     if program.donated:
@@ -61,7 +66,7 @@ def donation(program: Program) -> Program:
     return program.replace(graph_module=gm, aliases=tuple(aliases), passes=program.passes + ("donation",))
 
 
-def _match(program: Program, values: list, inputs: list) -> list[tuple[int, int]]:
+def _match(program: Program, values: list, inputs: list, written: set[int]) -> list[tuple[int, int]]:
     leaves = program.tensor_inputs
     outputs = [o for o in program.outputs if o.is_tensor]
     positions: dict[Node, list[int]] = {}  # output value -> the outputs returning it
@@ -76,7 +81,7 @@ def _match(program: Program, values: list, inputs: list) -> list[tuple[int, int]
             used.update(same)
     matched = {i for _, i in aliases}
     candidates = _Candidates(outputs, values)
-    for index in sorted(program.donated - program.written_inputs() - matched):
+    for index in sorted(program.donated - written - matched):
         if _overlaps_itself(inputs[index]):
             _warn_unused(program, index, "its elements share memory (an expanded view), so it cannot hold a result")
             continue

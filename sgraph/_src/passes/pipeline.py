@@ -41,13 +41,18 @@ def lower(program: Program, options: Options) -> Program:
         >>> lower(traced_program, options).passes
         ('replay', 'cleanup', 'simplify', 'donation', 'reinplace')
     """
-    program = simplify(cleanup(replay(program)))
+    # One copy of the traced graph, which the default passes edit in place: the traced
+    # program is left as it was and the programs between passes are never seen, while
+    # a copy per pass cost a noticeable part of a second for a large step.
+    # (Communication and memory passes still copy: memory planning compares graphs.)
+    program = program.replace(graph_module=program.copy_graph_module())
+    program = simplify(cleanup(replay(program, in_place=True), in_place=True), in_place=True)
     if collectives(program.graph):
         program = _communication(program, options)
     if options.memory is not None:
         program = _planned(program, options)
-    program = donation(program)
-    return reinplace(program)
+    program = donation(program, in_place=True)
+    return reinplace(program, in_place=True)
 
 
 def _communication(program: Program, options: Options) -> Program:

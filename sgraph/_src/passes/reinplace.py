@@ -29,14 +29,18 @@ __all__ = ["reinplace"]
 Node = torch.fx.Node
 
 
-def reinplace(program: Program) -> Program:
+def reinplace(program: Program, *, in_place: bool = False) -> Program:
     """Rewrite the ops producing donated outputs into their in-place forms where safe.
+
+    Args:
+        in_place: edit ``program``'s own graph instead of a copy (the pipeline does, on
+            the copy of the traced graph it owns).
 
     Example:
         >>> [n.target for n in reinplace(program).ops()][-1]
         aten._foreach_add_.List
     """
-    gm = program.copy_graph_module()
+    gm = program.graph_module_to_edit(in_place)
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     inputs = placeholders(graph)

@@ -51,18 +51,23 @@ _REAL_DTYPE: dict[torch._ops.OpOverload, torch.dtype] = {aten.mkldnn_rnn_layer_b
 _LIB = torch.library.Library("sgraph", "FRAGMENT")
 
 
-def replay(program: Program) -> Program:
+def replay(program: Program, *, in_place: bool = False) -> Program:
     """Rewrite ops whose traced form would not replay as traced (see the module).
 
+    Args:
+        in_place: edit ``program``'s own graph instead of a copy (the pipeline does, on
+            the copy of the traced graph it owns).
+
     Returns:
-        A Program over a new graph module; the input's graph is untouched.
+        A Program over a new graph module (unless ``in_place``); the input's graph is
+        untouched.
         Idempotent.
 
     Example:
         >>> [str(n.target) for n in replay(lstm_program).ops() if "rnn_layer" in str(n.target)]
         ['sgraph.mkldnn_rnn_layer_grad_enabled.default', 'aten.mkldnn_rnn_layer_backward.default']
     """
-    gm = program.copy_graph_module()
+    gm = program.graph_module_to_edit(in_place)
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op != "call_function":

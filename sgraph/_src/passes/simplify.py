@@ -23,14 +23,18 @@ Node = torch.fx.Node
 aten = torch.ops.aten
 
 
-def simplify(program: Program) -> Program:
+def simplify(program: Program, *, in_place: bool = False) -> Program:
     """Fold ``p + (x - p)`` into ``x`` where the difference is used for nothing else.
+
+    Args:
+        in_place: edit ``program``'s own graph instead of a copy (the pipeline does, on
+            the copy of the traced graph it owns).
 
     Example:
         >>> aten._foreach_add.List in {n.target for n in simplify(program).ops()}
         False
     """
-    gm = program.copy_graph_module()
+    gm = program.graph_module_to_edit(in_place)
     for node in list(gm.graph.nodes):
         if node.target is aten._foreach_add.List and not node.kwargs:
             _fold_list(node)
