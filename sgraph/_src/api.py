@@ -18,6 +18,7 @@ from typing import Any, overload
 
 from . import guards
 from .argtree import ArgFlattener, CallStructure
+from .collector import full_collections_deferred
 from .dispatch import Entry, check_call_inputs, nearest
 from .errors import ArgumentError, ArgumentTypeError, CaptureError, FallbackWarning, RetraceError, RetraceWarning
 from .options import (
@@ -226,17 +227,18 @@ class Transformed:
         if self._sharder is not None:
             compute = self._sharder.compute(self._named(args, kwargs))
             out_layout = self._sharder.out_layout()
-        program = trace(
-            self.fn,
-            args,
-            kwargs,
-            api=self.api,
-            layout=layout,
-            bound=bound,
-            kernels=kernels,
-            compute=compute,
-            out_layout=out_layout,
-        )
+        with full_collections_deferred():
+            program = trace(
+                self.fn,
+                args,
+                kwargs,
+                api=self.api,
+                layout=layout,
+                bound=bound,
+                kernels=kernels,
+                compute=compute,
+                out_layout=out_layout,
+            )
         self._counters.traces += 1
         signature = Signature(
             signature.structure,

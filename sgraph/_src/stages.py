@@ -20,6 +20,7 @@ from . import tree
 from .agreement import DEFAULT_TIMEOUT, agree
 from .aliasing import AliasGuard, extent
 from .argtree import ArgFlattener
+from .collector import full_collections_deferred
 from .dtensors import dist_info, is_dtensor, local, wrap
 from .errors import ArgumentTypeError
 from .guards import global_state
@@ -173,7 +174,8 @@ class Traced(_Stage):
     def lower(self) -> Lowered:
         """Run the passes (cleanup, donation, and those the transforms ask for)."""
         start = time.perf_counter()
-        program = run_passes(self.program, self.options)
+        with full_collections_deferred():
+            program = run_passes(self.program, self.options)
         return Lowered(program, self, time.perf_counter() - start)
 
 
@@ -233,7 +235,8 @@ class Lowered(_Stage):
         if options.fuse is not None:
             from .runtime.inductor import InductorExecutable
 
-            body = InductorExecutable(self.program, options.fuse)
+            with full_collections_deferred():
+                body = InductorExecutable(self.program, options.fuse)
         if graph:
             from .runtime.cudagraph import CudaGraphExecutable
 
