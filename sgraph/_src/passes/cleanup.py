@@ -29,8 +29,8 @@ def cleanup(program: Program, *, in_place: bool = False) -> Program:
             the copy of the traced graph it owns).
 
     Returns:
-        A Program over a new graph module (unless ``in_place``); the input's graph is
-        untouched.
+        A Program over a new graph module, the input's graph untouched (with
+        ``in_place``: over the input's graph module, edited).
 
     Example:
         >>> len(cleanup(program).ops()) <= len(program.ops())

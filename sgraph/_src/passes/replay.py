@@ -59,8 +59,8 @@ def replay(program: Program, *, in_place: bool = False) -> Program:
             the copy of the traced graph it owns).
 
     Returns:
-        A Program over a new graph module (unless ``in_place``); the input's graph is
-        untouched.
+        A Program over a new graph module, the input's graph untouched (with
+        ``in_place``: over the input's graph module, edited).
         Idempotent.
 
     Example:
