@@ -253,3 +253,20 @@ def test_an_inductor_failure_is_a_capture_error_or_falls_back(monkeypatch):
     fallback = sg.static(sg.fuse(step), fallback="eager")
     with pytest.warns(sg.FallbackWarning, match="no lowering for this op"):
         assert torch.equal(fallback(x), step(x))
+
+
+def test_compile_workers_start_only_for_a_cuda_step(monkeypatch):
+    """Inductor's Triton compile pool is asked to start before a fused step for a CUDA
+    device is traced, and never for a CPU step (C++ compiles in threads)."""
+    import torch._inductor.async_compile as async_compile
+
+    from sgraph._src.runtime.workers import start_compile_workers
+
+    started = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: started.append(True))
+    assert not start_compile_workers([torch.device("cpu")]) and not started
+    assert start_compile_workers([torch.device("cpu"), torch.device("cuda", 0)]) and started == [True]
+
+    started.clear()
+    assert torch.equal(sg.fuse(lambda x: x * 2)(torch.ones(3)), torch.full((3,), 2.0))
+    assert not started

@@ -132,3 +132,19 @@ def test_fused_cross_entropy_inside_the_cuda_graph_matches_eager(bf16):
     ops = {str(n.target) for n in fused.last_compiled.program.ops()}
     assert "sgraph.linear_cross_entropy.default" in ops
     assert fused.last_compiled.executable.captures == 1
+
+
+def test_compile_workers_are_asked_to_start_before_the_step_is_traced(monkeypatch):
+    import torch._inductor.async_compile as async_compile
+
+    events = []
+    warm = async_compile.maybe_warm_pool
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: (events.append("workers"), warm()))
+
+    def step(x):
+        events.append("traced")
+        return (x * 3).sum()
+
+    x = torch.randn(8, device="cuda")
+    torch.testing.assert_close(sg.fuse(step)(x), (x * 3).sum())
+    assert events[:2] == ["workers", "traced"]

@@ -40,6 +40,7 @@ from .options import (
 from .passes.shard.cost import Links
 from .placing import Sharder, ShardOptions, check_shard_options, check_spec_names, check_specs
 from .sharding import mesh_axes
+from .runtime.workers import start_compile_workers
 from .signature import Signature, signature_of
 from .stages import Compiled, Counters, Traced
 from .trace import ArgLayout, arg_layout, positional_names, trace
@@ -227,6 +228,8 @@ class Transformed:
         if self._sharder is not None:
             compute = self._sharder.compute(self._named(args, kwargs))
             out_layout = self._sharder.out_layout()
+        if self.options.fuse is not None:
+            start_compile_workers(signature.devices())  # they start while the step is traced
         with full_collections_deferred():
             program = trace(
                 self.fn,

@@ -50,6 +50,10 @@ class Signature:
     paths: tuple[str, ...] = field(default=(), compare=False)
     names: tuple[str, ...] = field(default=(), compare=False)
 
+    def devices(self) -> set[torch.device]:
+        """The devices of the call's tensor leaves."""
+        return {key[3] for key in self.leaves if isinstance(key, tuple) and key[:1] in (("tensor",), ("dtensor",))}
+
     def difference(self, old: Signature) -> str:
         """Say in one line what changed from ``old`` to this signature.
 
