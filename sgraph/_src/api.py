@@ -39,8 +39,8 @@ from .options import (
 )
 from .passes.shard.cost import Links
 from .placing import Sharder, ShardOptions, check_shard_options, check_spec_names, check_specs
-from .sharding import mesh_axes
 from .runtime.workers import start_compile_workers
+from .sharding import mesh_axes
 from .signature import Signature, signature_of
 from .stages import Compiled, Counters, Traced
 from .trace import ArgLayout, arg_layout, positional_names, trace
