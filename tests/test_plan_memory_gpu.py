@@ -62,6 +62,10 @@ def test_stats_give_the_predicted_and_measured_peak():
 def test_a_step_over_its_budget_warns_with_a_breakdown():
     step, params, opt_state, batches = _setup()
     torch.cuda.synchronize()
+    # The prediction counts the cuBLAS workspace of the stream the step runs on; after
+    # enough earlier tests, torch's pool of streams comes round to one whose workspace
+    # is already there, and the step then allocates less than predicted.
+    torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.reset_peak_memory_stats()
     lowered = sg.static(sg.plan_memory(step)).lower(params, opt_state, batches[0])
     budget = lowered.memory_analysis().peak_bytes  # met in prediction, but workspaces come on top
