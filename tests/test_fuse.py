@@ -270,3 +270,15 @@ def test_compile_workers_start_only_for_a_cuda_step(monkeypatch):
     started.clear()
     assert torch.equal(sg.fuse(lambda x: x * 2)(torch.ones(3)), torch.full((3,), 2.0))
     assert not started
+
+
+def test_compile_workers_that_fail_to_start_do_not_fail_the_step(monkeypatch):
+    import torch._inductor.async_compile as async_compile
+
+    from sgraph._src.runtime.workers import start_compile_workers
+
+    def fail():
+        raise OSError("cannot start a process")
+
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", fail)
+    assert not start_compile_workers([torch.device("cuda")])

@@ -29,5 +29,8 @@ def start_compile_workers(devices: Iterable[torch.device]) -> bool:
         from torch._inductor.async_compile import maybe_warm_pool
     except ImportError:  # a torch without Inductor's pool: it compiles as it always did
         return False
-    maybe_warm_pool()
+    try:
+        maybe_warm_pool()
+    except Exception:  # noqa: BLE001 - only a head start: Inductor starts it (or reports why not) when it compiles
+        return False
     return True
