@@ -92,6 +92,7 @@ def _inductor_settings():
         config.trace.provenance_tracking_level,
         config.triton.cudagraphs,
         functorch_config.enable_autograd_cache,
+        torch.fx.config.do_not_emit_stack_traces,
     )
 
 
@@ -282,3 +283,22 @@ def test_compile_workers_that_fail_to_start_do_not_fail_the_step(monkeypatch):
 
     monkeypatch.setattr(async_compile, "maybe_warm_pool", fail)
     assert not start_compile_workers([torch.device("cuda")])
+
+
+def test_aotautograds_retrace_records_no_stack_traces_while_sgraph_compiles(monkeypatch):
+    """The retrace's Python stacks would be those of the graph's generated code; the
+    user's own setting is back afterwards."""
+    import torch._inductor.compile_fx as inductor
+
+    seen = []
+    original = inductor.compile_fx
+
+    def spy(*args, **kwargs):
+        seen.append(torch.fx.config.do_not_emit_stack_traces)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(inductor, "compile_fx", spy)
+    monkeypatch.setattr(torch.fx.config, "do_not_emit_stack_traces", False)
+    x = torch.randn(3)
+    assert torch.equal(sg.fuse(lambda x: x + 1)(x), x + 1)
+    assert seen == [True] and torch.fx.config.do_not_emit_stack_traces is False

