@@ -2,8 +2,10 @@
 
     python examples/compile_split.py                                  # gpt-med, sg.fuse's defaults
     python examples/compile_split.py gpt-med '{"combo_kernels": false}' '{"reuse_blocks": true}'
+    python examples/compile_split.py cpu                              # first_call_cpu.py's GPT, on the CPU
 
-Arguments: the workload (see benchmark.py), Inductor settings to patch on top of
+Arguments: the workload (see benchmark.py; ``cpu``: the 12-layer GPT of tiny widths of
+first_call_cpu.py, on the CPU, its first call only), Inductor settings to patch on top of
 sgraph's while it compiles (JSON), and ``sg.fuse`` options (JSON). The process starts
 with its own empty Inductor and Triton caches, wraps the stages of torch's compile
 (AOTAutograd's retrace, Inductor's lowering, scheduling, code generation, the wait for
@@ -98,14 +100,11 @@ def main() -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{scratch}/inductor"
     os.environ["TRITON_CACHE_DIR"] = f"{scratch}/triton"
 
-    import benchmark as bm
     import torch
     from torch._inductor import config
 
     import sgraph._src.runtime.inductor as inductor
 
-    if not torch.cuda.is_available():
-        raise SystemExit("compile_split.py runs benchmark.py's GPU workloads and needs a GPU.")
     for stage in STAGES:
         wrap(*stage)
     sgraph_settings = inductor.inductor_config
@@ -116,11 +115,22 @@ def main() -> None:
             yield
 
     inductor.inductor_config = with_patches  # type: ignore[assignment]
-    result = bm.measure(lambda w: bm.variant_sg_static(w, fuse=True, fuse_options=fuse_options), workload, 10)
+    if workload == "cpu":
+        import first_call_cpu
+
+        result = first_call_cpu.first_call(fuse_options)
+        device = "CPU"
+    else:
+        import benchmark as bm
+
+        if not torch.cuda.is_available():
+            raise SystemExit("compile_split.py runs benchmark.py's GPU workloads and needs a GPU (or: cpu).")
+        result = bm.measure(lambda w: bm.variant_sg_static(w, fuse=True, fuse_options=fuse_options), workload, 10)
+        device = torch.cuda.get_device_name()
     keys = ("first_s", "trace_s", "compile_s", "capture_s", "ms", "peak_mib", "kernels")
     line = {"workload": workload, "patches": patches, "fuse": fuse_options, **{k: result.get(k) for k in keys}}
     line["stages_s"] = {label: round(SPENT[label], 2) for _, _, label in STAGES if label in SPENT}
-    line.update(torch=torch.__version__, gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"))
+    line.update(torch=torch.__version__, device=device, date=time.strftime("%Y-%m-%d"))
     print(json.dumps(line), flush=True)
 
 

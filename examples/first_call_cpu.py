@@ -28,7 +28,7 @@ from pathlib import Path
 CHILD = "--child"
 
 
-def first_call() -> dict:
+def first_call(fuse_options: dict | None = None) -> dict:
     """One first call in this process: seconds, its splits, and the full collections in it."""
     import torch
     from models import GPT, GPTConfig, gpt_loss
@@ -50,7 +50,7 @@ def first_call() -> dict:
         updates, opt_state = opt.update(grads, opt_state, params)
         return sg.optim.apply_updates(params, updates), opt_state, {"loss": value}
 
-    train_step = sg.static(sg.fuse(step), donate=("params", "opt_state"))
+    train_step = sg.static(sg.fuse(**(fuse_options or {}))(step), donate=("params", "opt_state"))
     full: list[float] = []
     began = [0.0]
 
