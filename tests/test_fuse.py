@@ -302,3 +302,21 @@ def test_aotautograds_retrace_records_no_stack_traces_while_sgraph_compiles(monk
     x = torch.randn(3)
     assert torch.equal(sg.fuse(lambda x: x + 1)(x), x + 1)
     assert seen == [True] and torch.fx.config.do_not_emit_stack_traces is False
+
+
+def test_a_fused_first_call_asks_for_workers_before_tracing_and_trace_alone_does_not(monkeypatch):
+    import sgraph._src.api as api
+
+    events = []
+    monkeypatch.setattr(api, "start_compile_workers", lambda devices: events.append(("workers", devices)))
+
+    def step(x):
+        events.append("traced")
+        return x * 2
+
+    x = torch.ones(3)
+    sg.fuse(step).trace(x)
+    assert events == ["traced"]
+    events.clear()
+    assert torch.equal(sg.fuse(step)(x), x * 2)
+    assert events == [("workers", {torch.device("cpu")}), "traced"]

@@ -158,6 +158,8 @@ class Transformed:
             check_call_inputs(self.api, leaves, layout.paths)
             signature = signature_of(leaves, structure, layout.paths, state, names=layout.names)
             self._check_retrace(signature)
+            if self.options.fuse is not None:  # the step will be compiled: its workers start while it is traced
+                start_compile_workers(signature.devices())
             try:
                 traced = self._trace(args, kwargs, layout, signature)
                 entry = Entry(traced.lower().compile(), traced.signature, leaves)
@@ -228,8 +230,6 @@ class Transformed:
         if self._sharder is not None:
             compute = self._sharder.compute(self._named(args, kwargs))
             out_layout = self._sharder.out_layout()
-        if self.options.fuse is not None:
-            start_compile_workers(signature.devices())  # they start while the step is traced
         with full_collections_deferred():
             program = trace(
                 self.fn,

@@ -5,8 +5,9 @@ once that pool has answered; until then it compiles them one by one in the calli
 process. The pool takes seconds to start (each worker imports torch), and when the
 first kernel asks for it the compile has already begun, so most of a cold compile's
 kernels were built serially. ``torch.compile`` starts the pool as soon as its backend
-is called; sgraph starts it when a fused step for a CUDA device begins tracing, so the
-workers come up while the step is traced and its passes run.
+is called; sgraph starts it on a fused CUDA step's first call, just before the step is
+traced, so the workers come up while it is traced and its passes run (``.trace()``
+alone, which compiles nothing, starts none).
 """
 
 from __future__ import annotations
