@@ -52,7 +52,7 @@ def lower(program: Program, options: Options) -> Program:
     if options.memory is not None:
         program = _planned(program, options)
     program = donation(program, in_place=True)
-    return reinplace(program, in_place=True)
+    return reinplace(program, in_place=True, aten=options.fuse is None)
 
 
 def _communication(program: Program, options: Options) -> Program:

@@ -29,12 +29,16 @@ __all__ = ["reinplace"]
 Node = torch.fx.Node
 
 
-def reinplace(program: Program, *, in_place: bool = False) -> Program:
+def reinplace(program: Program, *, in_place: bool = False, aten: bool = True) -> Program:
     """Rewrite the ops producing donated outputs into their in-place forms where safe.
 
     Args:
         in_place: edit ``program``'s own graph instead of a copy (the pipeline does, on
             the copy of the traced graph it owns).
+        aten: rewrite ATen's elementwise and foreach ops too; with False only sgraph's
+            own kernels (a program for Inductor, which writes an ATen op's result into
+            the donated input itself, given the trailing ``copy_``, and takes in-place
+            ATen ops on intermediates wrongly when no functionalization ran before it).
 
     Example:
         >>> [n.target for n in reinplace(program).ops()][-1]
@@ -51,7 +55,7 @@ def reinplace(program: Program, *, in_place: bool = False) -> Program:
         # Latest first: rewriting an op can make the op producing its input eligible.
         op = max(pending, key=order.__getitem__)
         pending.discard(op)
-        selves = _rewrite(graph, op, target_of, order)
+        selves = _rewrite(graph, op, target_of, order) if aten or op.target in INPLACE_FORMS else []
         pending.update(p for p in map(_producer, selves) if p is not None)
     graph.eliminate_dead_code()
     gm.recompile()
