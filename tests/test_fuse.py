@@ -92,7 +92,7 @@ def _inductor_settings():
         config.trace.provenance_tracking_level,
         config.triton.cudagraphs,
         functorch_config.enable_autograd_cache,
-        torch.fx.config.do_not_emit_stack_traces,
+        getattr(torch.fx.config, "do_not_emit_stack_traces", None),  # not in torch 2.11
     )
 
 
@@ -240,9 +240,12 @@ def test_gpt_step_with_the_fused_cross_entropy_through_inductor():
 def test_an_inductor_failure_is_a_capture_error_or_falls_back(monkeypatch):
     import torch._inductor.compile_fx as inductor
 
+    import sgraph._src.runtime.inductor as runtime
+
     def fail(*args, **kwargs):
         raise RuntimeError("no lowering for this op")
 
+    monkeypatch.setattr(runtime, "compile_direct", fail)
     monkeypatch.setattr(inductor, "compile_fx", fail)
 
     def step(x):
@@ -254,6 +257,25 @@ def test_an_inductor_failure_is_a_capture_error_or_falls_back(monkeypatch):
     fallback = sg.static(sg.fuse(step), fallback="eager")
     with pytest.warns(sg.FallbackWarning, match="no lowering for this op"):
         assert torch.equal(fallback(x), step(x))
+
+
+def test_a_failure_below_aotautograd_compiles_through_compile_fx(monkeypatch):
+    import sgraph._src.runtime.inductor as runtime
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("an op the plain retrace cannot take")
+
+    def step(x):
+        return (x * 3).sum()
+
+    x = torch.randn(3)
+    fused = sg.fuse(step)
+    torch.testing.assert_close(fused(x), step(x))
+    assert fused.last_compiled.stats.inductor_entry == "direct"
+    monkeypatch.setattr(runtime, "compile_direct", fail)
+    fused = sg.fuse(step)
+    torch.testing.assert_close(fused(x), step(x))
+    assert fused.last_compiled.stats.inductor_entry == "compile_fx"
 
 
 def test_compile_workers_start_only_for_a_cuda_step(monkeypatch):
@@ -285,22 +307,25 @@ def test_compile_workers_that_fail_to_start_do_not_fail_the_step(monkeypatch):
     assert not start_compile_workers([torch.device("cuda")])
 
 
-def test_aotautograds_retrace_records_no_stack_traces_while_sgraph_compiles(monkeypatch):
+def test_the_retrace_records_no_stack_traces_while_sgraph_compiles(monkeypatch):
     """The retrace's Python stacks would be those of the graph's generated code; the
     user's own setting is back afterwards."""
-    import torch._inductor.compile_fx as inductor
+    import sgraph._src.runtime.inductor_direct as direct
 
+    if not hasattr(torch.fx.config, "do_not_emit_stack_traces"):
+        pytest.skip("this torch always records the stacks")
     seen = []
-    original = inductor.compile_fx
+    original = direct._decomposed
 
     def spy(*args, **kwargs):
         seen.append(torch.fx.config.do_not_emit_stack_traces)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(inductor, "compile_fx", spy)
+    monkeypatch.setattr(direct, "_decomposed", spy)
     monkeypatch.setattr(torch.fx.config, "do_not_emit_stack_traces", False)
     x = torch.randn(3)
-    assert torch.equal(sg.fuse(lambda x: x + 1)(x), x + 1)
+    with torch._inductor.config.patch(force_disable_caches=True):  # a cached step is not traced again
+        assert torch.equal(sg.fuse(lambda x: x + 1.5)(x), x + 1.5)
     assert seen == [True] and torch.fx.config.do_not_emit_stack_traces is False
 
 

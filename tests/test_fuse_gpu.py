@@ -43,6 +43,7 @@ def test_fp32_losses_match_eager_over_50_steps_in_one_capture(kind):
     assert stats.runtime == "inductor+cudagraph" and stats.traces == 1
     assert fused.last_compiled.executable.captures == 1 and stats.calls == 50
     assert stats.kernel_launches and stats.kernels_fused and stats.compile_seconds
+    assert stats.inductor_entry == "direct"  # below AOTAutograd
 
 
 @pytest.mark.parametrize("kind", ["mlp", "gpt"])
@@ -60,6 +61,7 @@ def test_reused_blocks_match_eager_in_one_capture(bf16):
     stats = fused.last_compiled.stats
     assert (stats.block_calls, stats.block_subgraphs) == (4, 2)
     assert fused.last_compiled.executable.captures == 1 and stats.kernel_launches
+    assert stats.inductor_entry == "direct"
 
 
 def test_fused_graph_launches_fewer_kernels_than_the_eager_kernel_graph():

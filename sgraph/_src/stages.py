@@ -63,6 +63,8 @@ class CompiledStats:
             step (generated kernels, library matmuls and own kernels alike).
         compile_seconds: under ``sg.fuse``, time spent generating kernels (on-disk
             cache hits included).
+        inductor_entry: under ``sg.fuse``, how the step entered Inductor: ``"direct"``
+            (below AOTAutograd, see docs/fuse.md) or ``"compile_fx"``.
         block_calls / block_subgraphs: under ``sg.fuse``, how many copies of repeated
             blocks (forward and backward apart) call code compiled once, and how many
             distinct compiled blocks they call (``sg.fuse(reuse_blocks=...)``; 0 when
@@ -93,6 +95,7 @@ class CompiledStats:
     kernels_unfused: int | None = None
     kernels_fused: int | None = None
     compile_seconds: float | None = None
+    inductor_entry: str | None = None
     block_calls: int | None = None
     block_subgraphs: int | None = None
     memory_predicted: int | None = None
@@ -113,6 +116,7 @@ _OPTIONAL_STATS = (
     "kernels_unfused",
     "kernels_fused",
     "compile_seconds",
+    "inductor_entry",
     "block_calls",
     "block_subgraphs",
     "memory_measured",
@@ -338,6 +342,7 @@ class Compiled(_Stage):
             kernels_unfused=None if fused is None else compute_ops(self.program),
             kernels_fused=None if fused is None else fused.kernels.count,
             compile_seconds=None if fused is None else fused.compile_seconds,
+            inductor_entry=None if fused is None else fused.entry,
             block_calls=None if fused is None else fused.block_calls,
             block_subgraphs=None if fused is None else fused.block_subgraphs,
             memory_predicted=self.lowered.memory_analysis().peak_bytes,

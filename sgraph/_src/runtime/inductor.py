@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import logging
 import threading
 import time
 import traceback
@@ -35,11 +36,14 @@ from ..errors import CaptureError
 from ..options import FuseOptions
 from ..passes.memory.remat import RECOMPUTED_KEY
 from ..program import Program, memory_root, output_node, placeholders, returned
+from .inductor_direct import compile_direct
 from .inductor_kernels import KernelMap, kernel_map
 from .progress import progress
 from .regions import Outlined, outline_blocks
 
 __all__ = ["InductorExecutable", "copies_in_place", "inductor_config"]
+
+log = logging.getLogger(__name__)
 
 
 class InductorExecutable:
@@ -51,6 +55,7 @@ class InductorExecutable:
     """
 
     runtime = "inductor"
+    entry = "compile_fx"  # or "direct": how Inductor was entered (see _lowered)
 
     def __init__(self, program: Program, options: FuseOptions) -> None:
         start = time.perf_counter()
@@ -64,12 +69,12 @@ class InductorExecutable:
         examples = _independent_examples(program)
         outlined = outline_blocks(gm) if options.reuse_blocks and not planned else Outlined(gm)
         try:
-            self._compiled: Any = _compile(program.name, outlined.gm, examples, options, planned)
+            self._compiled, self.entry = _compile(program.name, outlined.gm, examples, options, planned)
         except CaptureError:
             if outlined.gm is gm:
                 raise
             outlined = Outlined(gm)  # Inductor refused the block calls: the same step inline
-            self._compiled = _compile(program.name, gm, examples, options, planned)
+            self._compiled, self.entry = _compile(program.name, gm, examples, options, planned)
         self.block_calls, self.block_subgraphs = outlined.calls, outlined.subgraphs
         self.compile_seconds = time.perf_counter() - start
         self.kernels: KernelMap = kernel_map(self._compiled, outlined.members)
@@ -113,18 +118,18 @@ _COMPILE_LOCK = threading.Lock()  # the config patch is process-wide: one compil
 
 def _compile(
     name: str, gm: torch.fx.GraphModule, examples: list[torch.Tensor], options: FuseOptions, planned: bool = False
-) -> Any:
-    """``compile_fx`` under sgraph's settings; a failure becomes a :class:`CaptureError`
-    (which ``fallback="eager"`` turns into an eager run). For a memory-planned step,
-    recomputed copies stay where the plan put them (see :func:`copies_in_place`)."""
-    from torch._inductor.compile_fx import compile_fx
-
+) -> tuple[Any, str]:
+    """Inductor's code for ``gm`` under sgraph's settings, and the entry taken
+    (``"direct"`` or ``"compile_fx"``, see :func:`_lowered`); a failure becomes a
+    :class:`CaptureError` (which ``fallback="eager"`` turns into an eager run). For a
+    memory-planned step, recomputed copies stay where the plan put them (see
+    :func:`copies_in_place`)."""
     in_place = copies_in_place(gm) if planned else contextlib.nullcontext()
     with _COMPILE_LOCK, progress(f"{name}: generating kernels"), inductor_config(options), in_place, _short_op_text():
         try:
-            return compile_fx(gm, examples)
+            return _lowered(gm, examples)
         except Exception as error:
-            retried = _without_loop_reordering(compile_fx, gm, examples, error)
+            retried = _without_loop_reordering(_lowered, gm, examples, error)
             if retried is not None:
                 return retried
             text = str(error)
@@ -134,6 +139,25 @@ def _compile(
                 f"{text}. sg.static alone runs the same program on ATen kernels; pass fallback='eager' to "
                 "run the step uncaptured instead of raising."
             ) from error
+
+
+def _lowered(gm: torch.fx.GraphModule, examples: list[torch.Tensor]) -> tuple[Any, str]:
+    """Inductor's code for ``gm``: compiled below AOTAutograd (:mod:`.inductor_direct`,
+    which skips AOTAutograd's two traces of a graph that is already in the form they
+    produce), or through ``compile_fx`` where that is not possible here or fails."""
+    from torch._inductor.compile_fx import compile_fx
+
+    try:
+        direct = compile_direct(gm, examples)
+    except Exception as error:
+        # a slower compile, the same program: say why where logging is on
+        log.warning(
+            "compiling below AOTAutograd failed (%s: %s); compiling through compile_fx", type(error).__name__, error
+        )
+        direct = None
+    if direct is not None:
+        return direct, "direct"
+    return compile_fx(gm, examples), "compile_fx"
 
 
 @contextlib.contextmanager
@@ -189,8 +213,8 @@ def _short_ir(value: Any, depth: int = 0) -> str:
 
 
 def _without_loop_reordering(
-    compile_fx: Any, gm: torch.fx.GraphModule, examples: list[torch.Tensor], error: Exception
-) -> Any:
+    lowered: Callable[..., tuple[Any, str]], gm: torch.fx.GraphModule, examples: list[torch.Tensor], error: Exception
+) -> tuple[Any, str] | None:
     """Compile again without Inductor's loop reordering after fusion, when that is what
     failed (torch 2.11 asserts there on a multi-tensor kernel next to an atomic add);
     None if it is not, or if the retry fails too."""
@@ -200,7 +224,7 @@ def _without_loop_reordering(
 
     try:
         with config.patch(loop_ordering_after_fusion=False):
-            return compile_fx(gm, examples)
+            return lowered(gm, examples)
     except Exception:
         return None
 

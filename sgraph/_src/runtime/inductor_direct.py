@@ -1,0 +1,278 @@
+"""Compile a step's graph with Inductor directly, without AOTAutograd.
+
+``compile_fx`` hands its graph to AOTAutograd, which traces it twice before Inductor
+sees it: once to collect metadata, once more under functionalization with Inductor's
+decompositions. sgraph's graph is already what those traces produce, one ATen graph
+with no autograd left in it, whose only writes are the trailing ``copy_`` into donated
+inputs and the in-place updates of donated inputs that the reinplace pass made (each
+the last writer of its input, read by nothing before it that runs after it). On the
+H200 those two traces took 8.7 s of gpt-med's 29.3 s cold compile.
+
+Here the graph is traced once, plainly, with Inductor's decompositions; then it goes
+through Inductor's joint-graph passes and ``compile_fx_inner`` (post-grad passes,
+lowering, scheduling, code generation, Inductor's FX graph cache). A small index in
+Inductor's cache directory maps the key of sgraph's own graph (computed by Inductor's
+FX graph hash, so it covers what Inductor's key covers: the graph, the inputs'
+metadata, Inductor's settings, the device, torch and Triton) to the FX graph cache's
+key of the compiled graph, so another process loads the generated code without the
+retrace and the passes.
+
+:func:`compile_direct` returns None where this torch lacks an entry point used here;
+the caller then compiles through ``compile_fx``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import inspect
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+
+__all__ = ["compile_direct"]
+
+_INDEX = "sgraph-direct"  # the index's folder, inside Inductor's cache directory
+
+
+def compile_direct(gm: torch.fx.GraphModule, examples: list[torch.Tensor]) -> Callable[..., Any] | None:
+    """``gm`` compiled by Inductor below AOTAutograd, called with the step's inputs.
+
+    Args:
+        gm: the step's graph as given to ``compile_fx`` (writes into inputs allowed as
+            described in the module docstring).
+        examples: fake tensors of the inputs, in one fake mode with a shape environment.
+
+    Returns:
+        A callable taking the inputs positionally and returning the outputs (its
+        ``output_code`` attribute is Inductor's compiled graph), or None if this
+        torch lacks what is needed.
+
+    Example:
+        >>> run = compile_direct(gm, examples)
+        >>> outputs = run(*inputs)
+    """
+    try:
+        entry = _entry_points()
+    except (ImportError, AttributeError):
+        return None
+    if not _writes_only_inputs(gm):
+        return None
+    kwargs = _compile_kwargs(entry)
+    fake_mode = _fake_mode(examples)
+    with _compiling(entry, fake_mode, gm):
+        key = _index_key(entry, gm, examples, kwargs)
+        compiled = _load(entry, key, examples, kwargs) if key is not None else None
+        if compiled is None:
+            compiled = _compile(entry, gm, examples, kwargs, fake_mode)
+            made = getattr(compiled, "_fx_graph_cache_key", None)
+            if key is not None and made:
+                _store(key, made)
+    return _Boxed(compiled)
+
+
+def _writes_only_inputs(gm: torch.fx.GraphModule) -> bool:
+    """Whether every write in ``gm`` (and its subgraphs) goes into a graph input, as
+    after AOTAutograd: ``copy_`` into an input, or an own kernel's in-place form whose
+    written arguments are inputs. An in-place ATen op on an intermediate would reach
+    Inductor unfunctionalized, which it does not expect."""
+    inputs = {n for n in gm.graph.nodes if n.op == "placeholder"}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and isinstance(getattr(gm, str(node.target), None), torch.fx.GraphModule):
+            if not _writes_only_inputs(getattr(gm, str(node.target))):
+                return False
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        schema = node.target._schema
+        if not schema.is_mutable:
+            continue
+        if node.target.namespace == "aten" and node.target is not torch.ops.aten.copy_.default:
+            return False
+        given = {a.name: v for a, v in zip(schema.arguments, node.args)} | dict(node.kwargs)
+        for argument in schema.arguments:
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = given.get(argument.name)
+            if not all(v in inputs for v in (value if isinstance(value, (list, tuple)) else [value])):
+                return False
+    return True
+
+
+class _Boxed:
+    """Inductor's compiled graph takes its inputs as one list (which it empties)."""
+
+    def __init__(self, output_code: Any) -> None:
+        self.output_code = output_code
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        return self.output_code(list(inputs))
+
+
+@functools.cache
+def _entry_points() -> dict[str, Any]:
+    """The private torch functions used here, looked up once (ImportError or
+    AttributeError where this torch does not have one)."""
+    from torch._inductor import codecache, compile_fx, debug
+    from torch._inductor import config as inductor_config
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.output_code import CompiledFxGraphConstants
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from torch._inductor.utils import BoxedBool
+
+    return {
+        "compile_fx_inner": compile_fx.compile_fx_inner,
+        "joint_graph_passes": compile_fx._recursive_joint_graph_passes,
+        "decompositions": select_decomp_table,
+        "graph_hash": codecache.compiled_fx_graph_hash,
+        "load_with_key": codecache.FxGraphCache.load_with_key,
+        "bypass": codecache.BypassFxGraphCache,
+        "constants": CompiledFxGraphConstants,
+        "debug": debug,
+        "config": inductor_config,
+        "cache_dir": cache_dir,
+        "boxed_bool": BoxedBool,
+    }
+
+
+def _compile_kwargs(entry: dict[str, Any]) -> dict[str, Any]:
+    """What ``compile_fx`` passes ``compile_fx_inner`` for a graph without autograd
+    (its own CUDA graphs off: the caller owns the graph)."""
+    return {
+        "cudagraphs": entry["boxed_bool"](False),
+        "static_input_idxs": (),
+        "is_backward": False,
+        "graph_id": None,
+        "cpp_wrapper": False,
+        "is_inference": True,
+        "boxed_forward_device_index": None,
+        "layout_opt": None,
+        "extern_node_serializer": None,
+    }
+
+
+def _fake_mode(examples: list[torch.Tensor]) -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    found = [t.fake_mode for t in examples if hasattr(t, "fake_mode")]
+    return found[0] if found else FakeTensorMode(shape_env=ShapeEnv())
+
+
+def _compile(
+    entry: dict[str, Any], gm: torch.fx.GraphModule, examples: list[torch.Tensor], kwargs: dict, fake_mode: Any
+) -> Any:
+    decomposed = _decomposed(entry, gm, examples, fake_mode)
+    decomposed = _joint_graph_passes(entry, decomposed, examples)
+    _mark_outputs_user_visible(decomposed)
+    return entry["compile_fx_inner"](decomposed, examples, **kwargs)
+
+
+@contextlib.contextmanager
+def _compiling(entry: dict[str, Any], fake_mode: Any, gm: torch.fx.GraphModule) -> Iterator[None]:
+    """The state ``compile_fx`` sets up around AOTAutograd and Inductor: the fake mode
+    and a tracing context, Python dispatch, node metadata kept through the retrace,
+    provenance recorded against ``gm`` (the kernel map reads it), and no autocast or
+    autograd (the graph already holds every cast and gradient)."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._inductor.virtualized import V
+
+    debug = entry["debug"]
+    provenance = entry["config"].trace.provenance_tracking_level == 1
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(torch._C._DisableAutocast())
+        stack.enter_context(enable_python_dispatcher())
+        stack.enter_context(torch.fx.traceback.preserve_node_meta(provenance))
+        stack.enter_context(debug.reset_provenance_globals())
+        stack.enter_context(V.set_fake_mode(fake_mode))
+        stack.enter_context(torch._guards.tracing(torch._guards.TracingContext(fake_mode)))
+        debug._pre_grad_graph_id = id(gm.graph)
+        yield
+
+
+def _decomposed(
+    entry: dict[str, Any], gm: torch.fx.GraphModule, examples: list[torch.Tensor], fake_mode: Any
+) -> torch.fx.GraphModule:
+    """``gm`` traced again with Inductor's decompositions (no functionalization: the
+    graph is already functional where it matters, see the module docstring)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with fake_mode:
+        return make_fx(torch.fx.Interpreter(gm).run, decomposition_table=entry["decompositions"]())(*examples)
+
+
+def _joint_graph_passes(
+    entry: dict[str, Any], gm: torch.fx.GraphModule, examples: list[torch.Tensor]
+) -> torch.fx.GraphModule:
+    passes = entry["joint_graph_passes"]
+    if "input_device" in inspect.signature(passes).parameters:
+        devices = [t.device for t in examples if isinstance(t, torch.Tensor)]
+        return passes(gm, input_device=devices[0] if devices else None)
+    return passes(gm)
+
+
+def _mark_outputs_user_visible(gm: torch.fx.GraphModule) -> None:
+    """Every output is the user's: Inductor keeps the strides the graph gives them."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    out.meta["user_visible_output_idxs"] = [i for i, v in enumerate(values) if isinstance(v, torch.fx.Node)]
+
+
+def _index_key(
+    entry: dict[str, Any], gm: torch.fx.GraphModule, examples: list[torch.Tensor], kwargs: dict
+) -> str | None:
+    """The index key of ``gm`` (None: Inductor's caches are off, or would be bypassed).
+
+    Inductor's FX graph hash of sgraph's graph, with this file's hash: a change here
+    (decompositions, passes) makes entries stale."""
+    config = entry["config"]
+    if config.force_disable_caches or not config.fx_graph_cache:
+        return None
+    try:
+        key, _ = entry["graph_hash"](gm, examples, kwargs, [])
+    except entry["bypass"]:
+        return None
+    return hashlib.sha256(f"{key}:{_source_hash()}".encode()).hexdigest()
+
+
+@functools.cache
+def _source_hash() -> str:
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def _index_path(key: str) -> Path:
+    return Path(_entry_points()["cache_dir"]()) / _INDEX / key
+
+
+def _load(entry: dict[str, Any], key: str, examples: list[torch.Tensor], kwargs: dict) -> Any:
+    """The compiled graph the index names for ``key``, from Inductor's FX graph cache;
+    None if either has no entry."""
+    try:
+        fx_key = _index_path(key).read_text().strip()
+    except OSError:
+        return None
+    if not fx_key:
+        return None
+    constants = entry["constants"]()
+    compiled, _ = entry["load_with_key"](fx_key, [], examples, True, None, False, constants)
+    if compiled is None:
+        return None
+    compiled.post_compile(examples, constants, kwargs)
+    return compiled
+
+
+def _store(key: str, fx_key: str) -> None:
+    """Write the index entry atomically (another process may be reading it)."""
+    path = _index_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        partial.write_text(fx_key)
+        os.replace(partial, path)
+    except OSError:
+        return  # an unwritable cache only costs the next process a compile
