@@ -8,7 +8,8 @@ Arguments: the workload (see benchmark.py; ``cpu``: the 12-layer GPT of tiny wid
 first_call_cpu.py, on the CPU, its first call only), Inductor settings to patch on top of
 sgraph's while it compiles (JSON), and ``sg.fuse`` options (JSON). The process starts
 with its own empty Inductor and Triton caches, wraps the stages of torch's compile
-(AOTAutograd's retrace, Inductor's lowering, scheduling, code generation, the wait for
+(sgraph's own retrace below AOTAutograd, or AOTAutograd's where the step goes
+through ``compile_fx``; Inductor's lowering, scheduling, code generation, the wait for
 the kernel compiles, the first run's timing of kernel configurations) in timers, runs
 benchmark.py's measurement of ``sg.static(sg.fuse(step))`` and prints one JSON line:
 the first call and its splits (``Compiled.stats``), ms per step, and seconds per stage
@@ -36,6 +37,11 @@ DEPTH: collections.Counter[str] = collections.Counter()
 # (module, function or Class.method, label): the stages timed, outermost first.
 STAGES = [
     ("torch._inductor.compile_fx", "compile_fx", "compile_fx, all of it"),
+    ("sgraph._src.runtime.inductor_direct", "compile_direct", "below AOTAutograd, all of it"),
+    ("sgraph._src.runtime.inductor_direct", "_index_key", "below AOTAutograd: index key"),
+    ("sgraph._src.runtime.inductor_direct", "_load", "below AOTAutograd: load through the index"),
+    ("sgraph._src.runtime.inductor_direct", "_decomposed", "below AOTAutograd: retrace with decompositions"),
+    ("torch._inductor.compile_fx", "compile_fx_inner", "below AOTAutograd: compile_fx_inner"),
     ("torch._functorch._aot_autograd.autograd_cache", "autograd_cache_key", "AOTAutograd: cache key"),
     ("torch._functorch.aot_autograd", "create_aot_state", "AOTAutograd: metadata trace"),
     ("torch._functorch._aot_autograd.graph_compile", "aot_stage1_graph_capture", "AOTAutograd: retrace"),
