@@ -133,7 +133,7 @@ def main() -> None:
             raise SystemExit("compile_split.py runs benchmark.py's GPU workloads and needs a GPU (or: cpu).")
         result = bm.measure(lambda w: bm.variant_sg_static(w, fuse=True, fuse_options=fuse_options), workload, 10)
         device = torch.cuda.get_device_name()
-    keys = ("first_s", "trace_s", "compile_s", "capture_s", "ms", "peak_mib", "kernels")
+    keys = ("first_s", "trace_s", "compile_s", "capture_s", "ms", "peak_mib", "kernels", "entry")
     line = {"workload": workload, "patches": patches, "fuse": fuse_options, **{k: result.get(k) for k in keys}}
     line["stages_s"] = {label: round(SPENT[label], 2) for _, _, label in STAGES if label in SPENT}
     line.update(torch=torch.__version__, device=device, date=time.strftime("%Y-%m-%d"))
