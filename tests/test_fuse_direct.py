@@ -144,3 +144,30 @@ def test_the_compile_runs_without_the_callers_autocast_and_grad_mode(cache_dir):
         got = sg.fuse(f)(x, w)
     assert got.dtype == want.dtype == torch.float32 and not got.requires_grad
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("setting", [{"freezing": True}, {"pre_grad_custom_pass": lambda graph: None}])
+def test_settings_only_compile_fx_applies_go_through_compile_fx(cache_dir, retraces, setting):
+    x, w = torch.randn(4, 3), torch.randn(3, 5)
+    with torch._inductor.config.patch(setting):
+        fused = sg.fuse(step)
+        torch.testing.assert_close(fused(x, w), step(x, w))
+    assert fused.last_compiled.stats.inductor_entry == "compile_fx" and retraces[0] == 0
+
+
+def test_a_graph_writing_an_intermediate_in_place_goes_through_compile_fx():
+    """An in-place ATen op on an intermediate would reach Inductor unfunctionalized
+    (it dropped a ``clamp_`` so, in a fuzzed step): only writes into inputs pass."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(torch.ops.aten.sub.Tensor, (x, 0.25))
+    z = graph.call_function(torch.ops.aten.clamp_.default, (y, -1, 1))
+    graph.call_function(torch.ops.aten.copy_.default, (x, z))
+    graph.output([z])
+    assert not direct._writes_only_inputs(torch.fx.GraphModule({}, graph))
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(torch.ops.aten.clamp.default, (x, -1, 1))
+    graph.call_function(torch.ops.aten.copy_.default, (x, y))
+    graph.output([y])
+    assert direct._writes_only_inputs(torch.fx.GraphModule({}, graph))

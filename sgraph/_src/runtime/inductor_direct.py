@@ -17,8 +17,12 @@ metadata, Inductor's settings, the device, torch and Triton) to the FX graph cac
 key of the compiled graph, so another process loads the generated code without the
 retrace and the passes.
 
-:func:`compile_direct` returns None where this torch lacks an entry point used here;
-the caller then compiles through ``compile_fx``.
+:func:`compile_direct` returns None where this torch lacks an entry point used here,
+where the graph writes anything else than the two kinds of writes above, or where
+Inductor's settings ask for what only ``compile_fx`` sets up (a C++ or FX wrapper,
+freezing, a pre-grad pass of the user's; Inductor's own pre-grad passes rewrite
+torch-level graphs and leave an ATen graph as it is); the caller then compiles through
+``compile_fx``.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ def compile_direct(gm: torch.fx.GraphModule, examples: list[torch.Tensor]) -> Ca
         entry = _entry_points()
     except (ImportError, AttributeError):
         return None
-    if not _writes_only_inputs(gm):
+    if _needs_compile_fx(entry["config"]) or not _writes_only_inputs(gm):
         return None
     kwargs = _compile_kwargs(entry)
     fake_mode = _fake_mode(examples)
@@ -74,6 +78,17 @@ def compile_direct(gm: torch.fx.GraphModule, examples: list[torch.Tensor]) -> Ca
             if key is not None and made:
                 _store(key, made)
     return _Boxed(compiled)
+
+
+def _needs_compile_fx(config: Any) -> bool:
+    """Whether the user's Inductor settings ask for what only ``compile_fx`` sets up: a
+    C++ or FX wrapper, freezing, or a pre-grad pass of their own."""
+    return bool(
+        config.cpp_wrapper
+        or getattr(config, "fx_wrapper", False)
+        or config.freezing
+        or config.pre_grad_custom_pass is not None
+    )
 
 
 def _writes_only_inputs(gm: torch.fx.GraphModule) -> bool:
