@@ -174,10 +174,13 @@ VARIANTS: dict[str, tuple[str, Callable[[str], Callable[[], None]]]] = {
         lambda w: variant_handmade_graph(w, compiled=True, fused=True),
     ),
     "sg-static": ("sg.static (eager kernels, one CUDA graph)", variant_sg_static),
-    "sg-fuse": ("sg.static + sg.fuse (generated kernels, one CUDA graph)", lambda w: variant_sg_static(w, fuse=True)),
-    "sg-fuse-reuse": (
-        "sg.static + sg.fuse(reuse_blocks=True) (a repeated block compiled once)",
-        lambda w: variant_sg_static(w, fuse=True, fuse_options={"reuse_blocks": True}),
+    "sg-fuse": (
+        "sg.static + sg.fuse (generated kernels, one CUDA graph, a repeated block compiled once)",
+        lambda w: variant_sg_static(w, fuse=True),
+    ),
+    "sg-fuse-inline": (
+        "sg.static + sg.fuse(reuse_blocks=False) (every block compiled inline)",
+        lambda w: variant_sg_static(w, fuse=True, fuse_options={"reuse_blocks": False}),
     ),
     "sg-plan": ("sg.static + sg.plan_memory() (eager kernels)", lambda w: variant_sg_static(w, plan={})),
     "sg-fuse-plan": (

@@ -1,7 +1,7 @@
 """Where a cold first call's compile goes: one fresh process, empty caches, Inductor's stages timed.
 
     python examples/compile_split.py                                  # gpt-med, sg.fuse's defaults
-    python examples/compile_split.py gpt-med '{"combo_kernels": false}' '{"reuse_blocks": true}'
+    python examples/compile_split.py gpt-med '{"combo_kernels": false}' '{"reuse_blocks": false}'
     python examples/compile_split.py cpu                              # first_call_cpu.py's GPT, on the CPU
 
 Arguments: the workload (see benchmark.py; ``cpu``: the 12-layer GPT of tiny widths of

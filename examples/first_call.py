@@ -2,7 +2,7 @@
 
     python examples/first_call.py                                   # gpt-med: sg.fuse and torch.compile
     python examples/first_call.py --bytecode --json first-call.json
-    python examples/first_call.py --workloads gpt-mini --variants sg-fuse sg-fuse-reuse
+    python examples/first_call.py --workloads gpt-mini --variants sg-fuse sg-fuse-inline
 
 For each variant and workload, one process runs benchmark.py's measurement with empty
 Inductor and Triton caches ("cold"), then a second process runs it again sharing the

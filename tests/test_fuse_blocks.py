@@ -274,7 +274,7 @@ def test_tiny_gpt_with_reused_blocks_trains_like_eager():
     assert len(blocks) == 4, text[-2000:]
     inner = sum(int(line.split("(")[1].split()[0]) for line in blocks)  # "#2 repeated_subgraph0 (8 kernels): ..."
     assert stats.kernels_fused is not None and stats.kernels_fused > inner
-    assert "reuse_blocks=True" in repr(sg.fuse(reuse_blocks=True)(step))
+    assert "reuse_blocks=False" in repr(sg.fuse(reuse_blocks=False)(step))
     with pytest.raises(sg.ArgumentTypeError, match="reuse_blocks must be True or False"):
         sg.fuse(reuse_blocks=1)(step)
-    assert not sg.fuse(step).options.fuse.reuse_blocks
+    assert sg.fuse(step).options.fuse.reuse_blocks  # on by default

@@ -403,7 +403,7 @@ def static(
 def fuse(fn: Callable[..., Any], /) -> Transformed: ...
 @overload
 def fuse(
-    *, autotune: bool = False, kernels: str | Sequence[str] = "all", reuse_blocks: bool = False
+    *, autotune: bool = False, kernels: str | Sequence[str] = "all", reuse_blocks: bool = True
 ) -> Callable[[Callable[..., Any]], Transformed]: ...
 
 
@@ -413,7 +413,7 @@ def fuse(
     *,
     autotune: bool = False,
     kernels: str | Sequence[str] = "all",
-    reuse_blocks: bool = False,
+    reuse_blocks: bool = True,
     **unknown: Any,
 ) -> Transformed | Callable[[Callable[..., Any]], Transformed]:
     """Compile the whole step into generated kernels (Triton on a GPU, C++ on CPU).
@@ -438,11 +438,11 @@ def fuse(
         reuse_blocks: compile a repeated block (the copies of an entry of an
             ``nn.ModuleList`` or ``nn.Sequential``: a transformer's layers) once,
             forward and backward, and call that code for each copy, instead of
-            lowering and scheduling every copy: a shorter compile (on the H200,
-            gpt-mini's 14.1 s -> 9.6 s), at the cost of the fusions across a block's
-            edge (+0.7% to +3.5% per step). Off by default: a long run earns the
-            faster step back. Not applied to a step planned by ``sg.plan_memory``
-            (its recomputed copies are placed across blocks).
+            lowering and scheduling every copy: a shorter first call (on the H200,
+            gpt-med's cold first call 22.5 s -> 11.8 s), at the cost of the fusions
+            across a block's edge (+0.5% to +1.4% per step on the benchmark GPTs).
+            ``False`` compiles every copy inline. Not applied to a step planned by
+            ``sg.plan_memory`` (its recomputed copies are placed across blocks).
 
     Returns:
         A :class:`Transformed` step; stack with ``sg.static`` in either order.

@@ -59,7 +59,7 @@ class FuseOptions:
 
     autotune: bool = False
     kernels: tuple[str, ...] = OWN_KERNELS
-    reuse_blocks: bool = False
+    reuse_blocks: bool = True
 
 
 @dataclass(frozen=True)
