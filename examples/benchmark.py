@@ -227,7 +227,8 @@ def measure(make: Callable[[str], Callable[[], None]], workload: str, steps: int
     if step is not None:
         stats = step.last_compiled.stats
         result.update(kernels=stats.kernel_launches, traces=stats.traces, capture_s=stats.capture_seconds)
-        result.update(trace_s=stats.trace_seconds, compile_s=stats.compile_seconds, unfused=stats.kernels_unfused)
+        result.update(trace_s=stats.trace_seconds, lower_s=stats.lower_seconds, compile_s=stats.compile_seconds)
+        result.update(unfused=stats.kernels_unfused)
         result.update(block_calls=stats.block_calls, block_subgraphs=stats.block_subgraphs, entry=stats.inductor_entry)
         result.update(predicted_mib=stats.memory_predicted / 2**20, step_peak_mib=_mib(stats.memory_measured))
         result.update(step_reserved_mib=_mib(stats.memory_reserved), base_mib=base / 2**20)
