@@ -225,7 +225,8 @@ def fused_fsdp_matches_one_process(rank: int, world: int) -> None:
     if world != 2:
         return
     losses, params, _, step = _train(world, rank, sg.mesh(dp=world), sg.fsdp("dp"), wrap=_fused)
-    assert step.last_compiled.stats.runtime == "inductor", step.last_compiled.stats
+    stats = step.last_compiled.stats
+    assert stats.runtime == "inductor" and stats.inductor_entry == "direct", stats
     _assert_matches(world, losses, params)
 
 
