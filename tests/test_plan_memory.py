@@ -11,7 +11,7 @@ from models_for_tests import classification_batches, gpt_loss, mlp, run_steps, t
 
 import sgraph as sg
 from sgraph._src.passes.memory.remat import RECOMPUTED_KEY, forward_end, groups
-from sgraph._src.runtime.inductor import _COPY_RUN, _POSITION, _KeepCopiesInPlace, _scheduling, _sink_copies
+from sgraph._src.runtime.inductor_placement import _COPY_RUN, _POSITION, _KeepCopiesInPlace, _scheduling, _sink_copies
 from sgraph._src.source import MODULE_KEY
 
 X = torch.randn(256)  # 1024 bytes

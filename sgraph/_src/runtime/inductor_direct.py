@@ -2,11 +2,12 @@
 
 ``compile_fx`` hands its graph to AOTAutograd, which traces it twice before Inductor
 sees it: once to collect metadata, once more under functionalization with Inductor's
-decompositions. sgraph's graph is already what those traces produce, one ATen graph
-with no autograd left in it, whose only writes are the trailing ``copy_`` into donated
-inputs and the in-place updates of donated inputs that the reinplace pass made (each
-the last writer of its input, read by nothing before it that runs after it). On the
-H200 those two traces took 8.7 s of gpt-med's 29.3 s cold compile.
+decompositions. sgraph's graph is already what those traces produce: one ATen graph
+with no autograd left in it, whose only writes go into donated inputs, as the trailing
+``copy_`` of a new value or as the in-place form of one of sgraph's own kernels (the
+fused AdamW), which the reinplace pass gives an op only where nothing reads the old
+value after it. On the H200 those two traces took 8.7 s of gpt-med's 29.3 s cold
+compile.
 
 Here the graph is traced once, plainly, with Inductor's decompositions; then it goes
 through Inductor's joint-graph passes and ``compile_fx_inner`` (post-grad passes,
