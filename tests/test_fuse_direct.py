@@ -79,12 +79,17 @@ def test_an_index_entry_whose_code_is_gone_compiles_again(cache_dir, retraces):
     assert retraces[0] == 2 and entry.read_text() != "no-such-fx-graph-key"
 
 
-def test_with_inductors_caches_off_no_index_is_written(cache_dir, retraces):
+def test_with_inductors_caches_off_the_index_is_neither_read_nor_written(cache_dir, retraces):
     x, w = torch.randn(4, 3), torch.randn(3, 5)
     with torch._inductor.config.patch(force_disable_caches=True):
         for _ in range(2):
             torch.testing.assert_close(sg.fuse(step)(x, w), step(x, w))
     assert retraces[0] == 2 and not (cache_dir / "sgraph-direct").exists()
+    sg.fuse(step)(x, w)  # caches on: an entry is written
+    assert retraces[0] == 3 and (cache_dir / "sgraph-direct").exists()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        torch.testing.assert_close(sg.fuse(step)(x, w), step(x, w))
+    assert retraces[0] == 4
 
 
 def test_a_donated_adamw_step_writes_in_place_below_aotautograd(cache_dir):
