@@ -144,7 +144,8 @@ def _entry_points() -> dict[str, Any]:
         "compile_fx_inner": compile_fx.compile_fx_inner,
         "joint_graph_passes": compile_fx._recursive_joint_graph_passes,
         "decompositions": select_decomp_table,
-        "graph_hash": codecache.compiled_fx_graph_hash,
+        "hash_details": codecache.FxGraphHashDetails,
+        "hash_pickler": codecache.FxGraphCachePickler,
         "load_with_key": codecache.FxGraphCache.load_with_key,
         "bypass": codecache.BypassFxGraphCache,
         "constants": CompiledFxGraphConstants,
@@ -244,13 +245,17 @@ def _index_key(
 ) -> str | None:
     """The index key of ``gm`` (None: Inductor's caches are off, or would be bypassed).
 
-    Inductor's FX graph hash of sgraph's graph, with this file's hash: a change here
-    (decompositions, passes) makes entries stale."""
+    Inductor's FX graph hash of sgraph's graph (what its ``compiled_fx_graph_hash``
+    computes, without the per-component debug text it also builds: a fifth of a second
+    on a large graph), with this file's hash: a change here (decompositions, passes)
+    makes entries stale."""
     config = entry["config"]
     if config.force_disable_caches or not config.fx_graph_cache:
         return None
     try:
-        key, _ = entry["graph_hash"](gm, examples, kwargs, [])
+        details = entry["hash_details"](gm, examples, kwargs, [])
+        pickler = entry["hash_pickler"](gm, bool(details.user_defined_triton_source))
+        key = pickler.get_hash(details)
     except entry["bypass"]:
         return None
     return hashlib.sha256(f"{key}:{_source_hash()}".encode()).hexdigest()
