@@ -297,11 +297,12 @@ def inductor_config(options: FuseOptions) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _without_fx_stack_traces() -> Iterator[None]:
-    """AOTAutograd traces the step's graph again and, unless told not to, stores the
-    Python stack of that retrace on every node: frames of the graph's generated code,
-    not of the user's, and about a third of the retrace's time (9.4 -> 6.5 s for the
-    12-layer GPT of ``examples/compile_split.py cpu`` on the CI machine's CPU). The
-    user's source lines are sgraph's own node metadata and stay."""
+    """The step's graph is traced again before Inductor lowers it (by sgraph below
+    AOTAutograd, or by AOTAutograd through ``compile_fx``), and that retrace, unless
+    told not to, stores its Python stack on every node: frames of the graph's generated
+    code, not of the user's, and about a third of AOTAutograd's retrace time (9.4 ->
+    6.5 s for the 12-layer GPT of ``examples/compile_split.py cpu`` on the CI machine's
+    CPU). The user's source lines are sgraph's own node metadata and stay."""
     import torch.fx.config as fx_config
 
     if not hasattr(fx_config, "do_not_emit_stack_traces"):

@@ -77,7 +77,7 @@ def compile_direct(gm: torch.fx.GraphModule, examples: list[torch.Tensor]) -> Ca
             compiled = _compile(entry, gm, examples, kwargs, fake_mode)
             made = getattr(compiled, "_fx_graph_cache_key", None)
             if key is not None and made:
-                _store(key, made)
+                _store(entry, key, made)
     return _Boxed(compiled)
 
 
@@ -266,15 +266,15 @@ def _source_hash() -> str:
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 
 
-def _index_path(key: str) -> Path:
-    return Path(_entry_points()["cache_dir"]()) / _INDEX / key
+def _index_path(entry: dict[str, Any], key: str) -> Path:
+    return Path(entry["cache_dir"]()) / _INDEX / key
 
 
 def _load(entry: dict[str, Any], key: str, examples: list[torch.Tensor], kwargs: dict) -> Any:
     """The compiled graph the index names for ``key``, from Inductor's FX graph cache;
     None if either has no entry."""
     try:
-        fx_key = _index_path(key).read_text().strip()
+        fx_key = _index_path(entry, key).read_text().strip()
     except OSError:
         return None
     if not fx_key:
@@ -287,9 +287,9 @@ def _load(entry: dict[str, Any], key: str, examples: list[torch.Tensor], kwargs:
     return compiled
 
 
-def _store(key: str, fx_key: str) -> None:
+def _store(entry: dict[str, Any], key: str, fx_key: str) -> None:
     """Write the index entry atomically (another process may be reading it)."""
-    path = _index_path(key)
+    path = _index_path(entry, key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
