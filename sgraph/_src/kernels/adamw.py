@@ -4,7 +4,8 @@
 and moments and leaves its inputs alone, so a traced step stays functional.
 ``sgraph::adamw_`` updates params and moments in place; the reinplace pass swaps it
 in when those inputs are donated, so the whole update is one pass over memory.
-Both run ATen's fused AdamW kernel (``torch._fused_adamw_``), on CPU and CUDA.
+Both run ATen's fused AdamW kernel (``torch._fused_adamw_``), on CPU and CUDA; under
+``sg.fuse`` both are lowered by Inductor instead, through :func:`decompositions`.
 
 That kernel pairs the k-th element of each leaf's param, grad and moments by
 position in memory, which is the same element only when the four tensors have one
@@ -24,7 +25,7 @@ from torch import Tensor
 
 from ..errors import ArgumentError
 
-__all__ = ["INPLACE_FORMS", "adamw", "adamw_", "fusable", "written_lists"]
+__all__ = ["GENERATED_LEAVES", "INPLACE_FORMS", "adamw", "adamw_", "decompositions", "fusable", "written_lists"]
 
 _DTYPES = (torch.float32,)
 _NAMES = ("params", "grads", "mu", "nu")
@@ -163,3 +164,76 @@ def written_lists(args: tuple) -> list:
     """The tensors ``sgraph::adamw_`` writes, in the order ``sgraph::adamw`` returns them."""
     params, _, mu, nu = args[:4]
     return [*params, *mu, *nu]
+
+
+def _updated(leaves: list[Leaf], step: Tensor, lr: Tensor, b1: float, b2: float, eps: float, wd: float) -> list[Leaf]:
+    """Each leaf's new ``(param, mu, nu)``, written in ATen elementwise ops as ATen's fused
+    kernel computes them (in the params' dtype; ``param -= lr * wd * param`` first, then
+    the moments, then ``param -= step_size * mu / (sqrt(nu) / sqrt(bc2) + eps)``)."""
+    dtype = leaves[0][0].dtype
+    t = step.to(dtype)
+    lr = lr.to(dtype)
+    step_size = lr / (1 - torch.pow(b1, t))
+    bc2_sqrt = torch.sqrt(1 - torch.pow(b2, t))
+    out = []
+    for p, g, m, v in leaves:
+        g = g.to(dtype)
+        if wd:
+            p = p - lr * wd * p
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        p = p - step_size * m / (torch.sqrt(v) / bc2_sqrt + eps)
+        out.append((p, g, m, v))
+    return out
+
+
+def _adamw_decomposed(params, grads, mu, nu, step, lr, b1, b2, eps, weight_decay):  # type: ignore[no-untyped-def]
+    """``sgraph::adamw`` in ATen ops, for an update of at most ``GENERATED_LEAVES``
+    leaves whose four tensors share one dense layout per leaf (each result then has
+    its input's, as the op promises); otherwise the op is kept (NotImplemented)."""
+    leaves = list(zip(params, grads, mu, nu))
+    if not 0 < len(leaves) <= GENERATED_LEAVES or not all(_aligned(*leaf) for leaf in leaves):
+        return NotImplemented
+    new = _updated(leaves, step, lr, b1, b2, eps, weight_decay)
+    return [leaf[0] for leaf in new] + [leaf[2] for leaf in new] + [leaf[3] for leaf in new]
+
+
+def _adamw_inplace_decomposed(params, grads, mu, nu, step, lr, b1, b2, eps, weight_decay):  # type: ignore[no-untyped-def]
+    """``sgraph::adamw_`` in ATen ops, for an update of at most ``GENERATED_LEAVES``
+    leaves (otherwise the op is kept): the new values, then a ``copy_`` into each
+    param and moment (in its own layout, whatever the others' are)."""
+    leaves = list(zip(params, grads, mu, nu))
+    for i, leaf in enumerate(leaves):
+        _check_shapes(i, leaf)
+    if not leaves:
+        return None
+    if len(leaves) > GENERATED_LEAVES:
+        return NotImplemented
+    new = _updated(leaves, step, lr, b1, b2, eps, weight_decay)
+    for (p, _, m, v), (p2, _, m2, v2) in zip(leaves, new):
+        p.copy_(p2)
+        m.copy_(m2)
+        v.copy_(v2)
+    return None
+
+
+GENERATED_LEAVES = 16
+"""The most leaves an update may have for ``sg.fuse`` to generate it (see
+:func:`decompositions`)."""
+
+
+def decompositions() -> dict:
+    """Both ops as ATen elementwise ops, for a graph Inductor lowers: it then fuses each
+    leaf's update with the ops making its gradient (the cast of a bf16 matmul's result,
+    a bias gradient's sum) and writes params and moments in place in one pass.
+
+    Only for updates of at most ``GENERATED_LEAVES`` leaves. Measured on the H200
+    (``sg.static(sg.fuse(step))``, bf16 autocast, 2026-12-02): the MLP of 10 leaves
+    went from 0.161 to 0.137 ms per step, while GPTs of 77 and 149 leaves ran at the
+    same speed as on ATen's multi-tensor kernel (4.09 / 4.12 and 45.0 / 44.9 ms) but
+    took 14.3 and 34.0 s in Inductor against 4.8 and 7.1 s, each leaf's update being
+    a kernel of its own (fused with a different producer)."""
+    return {
+        torch.ops.sgraph.adamw.default: _adamw_decomposed,
+        torch.ops.sgraph.adamw_.default: _adamw_inplace_decomposed,
+    }

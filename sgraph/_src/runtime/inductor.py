@@ -30,6 +30,7 @@ import torch
 import torch.fx
 
 from ..errors import CaptureError
+from ..kernels.adamw import decompositions as optimizer_decompositions
 from ..options import FuseOptions
 from ..program import Program, memory_root, output_node, placeholders, returned
 from .inductor_direct import compile_direct
@@ -144,9 +145,11 @@ def _lowered(gm: torch.fx.GraphModule, examples: list[torch.Tensor]) -> tuple[An
     which skips AOTAutograd's two traces of a graph that is already in the form they
     produce), or through ``compile_fx`` where that is not possible here or fails."""
     from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.decomposition import select_decomp_table
 
+    own = optimizer_decompositions()
     try:
-        direct = compile_direct(gm, examples)
+        direct = compile_direct(gm, examples, own)
     except Exception as error:
         # a slower compile, the same program: say why where logging is on
         log.warning(
@@ -155,7 +158,7 @@ def _lowered(gm: torch.fx.GraphModule, examples: list[torch.Tensor]) -> tuple[An
         direct = None
     if direct is not None:
         return direct, "direct"
-    return compile_fx(gm, examples), "compile_fx"
+    return compile_fx(gm, examples, decompositions={**select_decomp_table(), **own}), "compile_fx"
 
 
 @contextlib.contextmanager

@@ -45,13 +45,17 @@ __all__ = ["compile_direct"]
 _INDEX = "sgraph-direct"  # the index's folder, inside Inductor's cache directory
 
 
-def compile_direct(gm: torch.fx.GraphModule, examples: list[torch.Tensor]) -> Callable[..., Any] | None:
+def compile_direct(
+    gm: torch.fx.GraphModule, examples: list[torch.Tensor], decompositions: dict | None = None
+) -> Callable[..., Any] | None:
     """``gm`` compiled by Inductor below AOTAutograd, called with the step's inputs.
 
     Args:
         gm: the step's graph as given to ``compile_fx`` (writes into inputs allowed as
             described in the module docstring).
         examples: fake tensors of the inputs, in one fake mode with a shape environment.
+        decompositions: decompositions of sgraph's own ops applied in the retrace, with
+            Inductor's (their source files are part of the index key).
 
     Returns:
         A callable taking the inputs positionally and returning the outputs (its
@@ -70,11 +74,12 @@ def compile_direct(gm: torch.fx.GraphModule, examples: list[torch.Tensor]) -> Ca
         return None
     kwargs = _compile_kwargs(entry)
     fake_mode = _fake_mode(examples)
+    own = dict(decompositions or {})
     with _compiling(entry, fake_mode, gm):
-        key = _index_key(entry, gm, examples, kwargs)
+        key = _index_key(entry, gm, examples, kwargs, _sources(own))
         compiled = _load(entry, key, examples, kwargs) if key is not None else None
         if compiled is None:
-            compiled = _compile(entry, gm, examples, kwargs, fake_mode)
+            compiled = _compile(entry, gm, examples, kwargs, fake_mode, own)
             made = getattr(compiled, "_fx_graph_cache_key", None)
             if key is not None and made:
                 _store(entry, key, made)
@@ -181,9 +186,14 @@ def _fake_mode(examples: list[torch.Tensor]) -> Any:
 
 
 def _compile(
-    entry: dict[str, Any], gm: torch.fx.GraphModule, examples: list[torch.Tensor], kwargs: dict, fake_mode: Any
+    entry: dict[str, Any],
+    gm: torch.fx.GraphModule,
+    examples: list[torch.Tensor],
+    kwargs: dict,
+    fake_mode: Any,
+    own: dict,
 ) -> Any:
-    decomposed = _decomposed(entry, gm, examples, fake_mode)
+    decomposed = _decomposed(entry, gm, examples, fake_mode, own)
     decomposed = _joint_graph_passes(entry, decomposed, examples)
     _mark_outputs_user_visible(decomposed)
     return entry["compile_fx_inner"](decomposed, examples, **kwargs)
@@ -213,14 +223,16 @@ def _compiling(entry: dict[str, Any], fake_mode: Any, gm: torch.fx.GraphModule) 
 
 
 def _decomposed(
-    entry: dict[str, Any], gm: torch.fx.GraphModule, examples: list[torch.Tensor], fake_mode: Any
+    entry: dict[str, Any], gm: torch.fx.GraphModule, examples: list[torch.Tensor], fake_mode: Any, own: dict
 ) -> torch.fx.GraphModule:
-    """``gm`` traced again with Inductor's decompositions (no functionalization: the
-    graph is already functional where it matters, see the module docstring)."""
+    """``gm`` traced again with Inductor's decompositions and ``own`` (no
+    functionalization: the graph is already functional where it matters, see the
+    module docstring)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    table = {**entry["decompositions"](), **own}
     with fake_mode:
-        return make_fx(torch.fx.Interpreter(gm).run, decomposition_table=entry["decompositions"]())(*examples)
+        return make_fx(torch.fx.Interpreter(gm).run, decomposition_table=table)(*examples)
 
 
 def _joint_graph_passes(
@@ -241,14 +253,15 @@ def _mark_outputs_user_visible(gm: torch.fx.GraphModule) -> None:
 
 
 def _index_key(
-    entry: dict[str, Any], gm: torch.fx.GraphModule, examples: list[torch.Tensor], kwargs: dict
+    entry: dict[str, Any], gm: torch.fx.GraphModule, examples: list[torch.Tensor], kwargs: dict, sources: tuple
 ) -> str | None:
     """The index key of ``gm`` (None: Inductor's caches are off, or would be bypassed).
 
     Inductor's FX graph hash of sgraph's graph (what its ``compiled_fx_graph_hash``
     computes, without the per-component debug text it also builds: a fifth of a second
-    on a large graph), with this file's hash: a change here (decompositions, passes)
-    makes entries stale."""
+    on a large graph), with the hashes of this file and of the files defining the own
+    decompositions (``sources``): a change there (decompositions, passes) makes entries
+    stale."""
     config = entry["config"]
     if config.force_disable_caches or not config.fx_graph_cache:
         return None
@@ -258,12 +271,18 @@ def _index_key(
         key = pickler.get_hash(details)
     except entry["bypass"]:
         return None
-    return hashlib.sha256(f"{key}:{_source_hash()}".encode()).hexdigest()
+    sources_hash = ":".join(_source_hash(path) for path in (__file__, *sources))
+    return hashlib.sha256(f"{key}:{sources_hash}".encode()).hexdigest()
+
+
+def _sources(decompositions: dict) -> tuple[str, ...]:
+    """The files defining ``decompositions``' functions, sorted."""
+    return tuple(sorted({inspect.getsourcefile(fn) or "" for fn in decompositions.values()} - {""}))
 
 
 @functools.cache
-def _source_hash() -> str:
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+def _source_hash(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _index_path(entry: dict[str, Any], key: str) -> Path:
