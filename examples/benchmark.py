@@ -182,6 +182,10 @@ VARIANTS: dict[str, tuple[str, Callable[[str], Callable[[], None]]]] = {
         "sg.static + sg.fuse(reuse_blocks=False) (every block compiled inline)",
         lambda w: variant_sg_static(w, fuse=True, fuse_options={"reuse_blocks": False}),
     ),
+    "sg-fuse-autotune": (
+        "sg.static + sg.fuse(autotune=True) (Triton matmul templates with fused epilogues, tuned block sizes)",
+        lambda w: variant_sg_static(w, fuse=True, fuse_options={"autotune": True}),
+    ),
     "sg-plan": ("sg.static + sg.plan_memory() (eager kernels)", lambda w: variant_sg_static(w, plan={})),
     "sg-fuse-plan": (
         "sg.static + sg.fuse + sg.plan_memory()",
