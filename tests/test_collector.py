@@ -78,3 +78,27 @@ def test_a_first_call_traces_and_compiles_with_full_collections_deferred():
     assert gc.get_threshold() == (700, 10, 10)
     static.trace(w, x).lower()
     assert seen[-1] == (700, 10, DEFERRED) and gc.get_threshold() == (700, 10, 10)
+
+
+def test_the_signature_and_the_first_run_are_inside_the_deferral_too(monkeypatch):
+    # A full collection started by the allocations of the signature or of the capture
+    # (the first run) walks the whole heap like one during the trace.
+    from sgraph._src import api, dispatch
+
+    seen = {}
+    signature_of, run = api.signature_of, dispatch.Entry.run
+
+    def watched_signature(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen["signature"] = gc.get_threshold()
+        return signature_of(*args, **kwargs)
+
+    def watched_run(self, tensors):  # type: ignore[no-untyped-def]
+        seen.setdefault("first run", gc.get_threshold())
+        return run(self, tensors)
+
+    monkeypatch.setattr(api, "signature_of", watched_signature)
+    monkeypatch.setattr(dispatch.Entry, "run", watched_run)
+    static = sg.static(lambda w: w * 2)
+    static(torch.ones(3))
+    assert seen == {"signature": (700, 10, DEFERRED), "first run": (700, 10, DEFERRED)}
+    assert gc.get_threshold() == (700, 10, 10)

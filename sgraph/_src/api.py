@@ -156,19 +156,22 @@ class Transformed:
             self._check_binding(args, kwargs)
             layout = self._layout(args, kwargs)
             check_call_inputs(self.api, leaves, layout.paths)
-            signature = signature_of(leaves, structure, layout.paths, state, names=layout.names)
-            self._check_retrace(signature)
-            if self.options.fuse is not None:  # the step will be compiled: its workers start while it is traced
-                start_compile_workers(signature.devices())
-            try:
-                traced = self._trace(args, kwargs, layout, signature)
-                entry = Entry(traced.lower().compile(), traced.signature, leaves)
-                result = entry.run(entry.first_call(leaves, state))
-            except CaptureError as e:
-                if self._static.fallback != "eager":
-                    raise
-                self._fall_back(e)
-                return self._call_fn(args, kwargs)
+            # One full collection after the first call instead of several during it
+            # (each walks the whole heap; see collector.py).
+            with full_collections_deferred():
+                signature = signature_of(leaves, structure, layout.paths, state, names=layout.names)
+                self._check_retrace(signature)
+                if self.options.fuse is not None:  # the step will be compiled: its workers start while it is traced
+                    start_compile_workers(signature.devices())
+                try:
+                    traced = self._trace(args, kwargs, layout, signature)
+                    entry = Entry(traced.lower().compile(), traced.signature, leaves)
+                    result = entry.run(entry.first_call(leaves, state))
+                except CaptureError as e:
+                    if self._static.fallback != "eager":
+                        raise
+                    self._fall_back(e)
+                    return self._call_fn(args, kwargs)
             self._entries.setdefault(structure, []).append(entry)
             self._last = entry
             return result
