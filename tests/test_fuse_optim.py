@@ -124,3 +124,16 @@ def test_an_update_of_many_leaves_keeps_the_multi_tensor_kernel():
     assert table[torch.ops.sgraph.adamw_.default](params, grads, mu, nu, *args) is NotImplemented
     fewer = kernel.GENERATED_LEAVES
     assert table[torch.ops.sgraph.adamw.default](params[:fewer], grads[:fewer], mu[:fewer], nu[:fewer], *args)
+
+
+@pytest.mark.parametrize("donate", [("params", "state"), ()], ids=["donated", "not-donated"])
+def test_through_compile_fx_too(monkeypatch, donate):
+    # Where the step cannot enter below AOTAutograd, compile_fx gets no own
+    # decompositions (Inductor refuses one of an op that functionalization leaves a
+    # call) and lowers the op as it does for any custom op.
+    import sgraph._src.runtime.inductor as runtime
+
+    monkeypatch.setattr(runtime, "compile_direct", lambda *args, **kwargs: None)
+    fused = sg.static(sg.fuse(step), donate=donate)
+    _check(fused, {"conv": channels_last}, {"conv": channels_last})
+    assert fused.last_compiled.stats.inductor_entry == "compile_fx"

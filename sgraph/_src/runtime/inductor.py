@@ -145,11 +145,9 @@ def _lowered(gm: torch.fx.GraphModule, examples: list[torch.Tensor]) -> tuple[An
     which skips AOTAutograd's two traces of a graph that is already in the form they
     produce), or through ``compile_fx`` where that is not possible here or fails."""
     from torch._inductor.compile_fx import compile_fx
-    from torch._inductor.decomposition import select_decomp_table
 
-    own = optimizer_decompositions()
     try:
-        direct = compile_direct(gm, examples, own)
+        direct = compile_direct(gm, examples, optimizer_decompositions())
     except Exception as error:
         # a slower compile, the same program: say why where logging is on
         log.warning(
@@ -158,7 +156,9 @@ def _lowered(gm: torch.fx.GraphModule, examples: list[torch.Tensor]) -> tuple[An
         direct = None
     if direct is not None:
         return direct, "direct"
-    return compile_fx(gm, examples, decompositions={**select_decomp_table(), **own}), "compile_fx"
+    # (without the own decompositions: Inductor refuses a table holding an op that
+    # AOTAutograd's functionalization leaves as a call, the in-place AdamW for one)
+    return compile_fx(gm, examples), "compile_fx"
 
 
 @contextlib.contextmanager
