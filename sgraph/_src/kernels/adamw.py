@@ -166,7 +166,9 @@ def written_lists(args: tuple) -> list:
     return [*params, *mu, *nu]
 
 
-def _updated(leaves: list[Leaf], step: Tensor, lr: Tensor, b1: float, b2: float, eps: float, wd: float) -> list[Leaf]:
+def _updated(
+    leaves: list[Leaf], step: Tensor, lr: Tensor, b1: float, b2: float, eps: float, wd: float
+) -> list[tuple[Tensor, Tensor, Tensor]]:
     """Each leaf's new ``(param, mu, nu)``, written in ATen elementwise ops as ATen's fused
     kernel computes them (in the params' dtype; ``param -= lr * wd * param`` first, then
     the moments, then ``param -= step_size * mu / (sqrt(nu) / sqrt(bc2) + eps)``)."""
@@ -183,7 +185,7 @@ def _updated(leaves: list[Leaf], step: Tensor, lr: Tensor, b1: float, b2: float,
         m = b1 * m + (1 - b1) * g
         v = b2 * v + (1 - b2) * g * g
         p = p - step_size * m / (torch.sqrt(v) / bc2_sqrt + eps)
-        out.append((p, g, m, v))
+        out.append((p, m, v))
     return out
 
 
@@ -194,8 +196,8 @@ def _adamw_decomposed(params, grads, mu, nu, step, lr, b1, b2, eps, weight_decay
     leaves = list(zip(params, grads, mu, nu))
     if not 0 < len(leaves) <= GENERATED_LEAVES or not all(_aligned(*leaf) for leaf in leaves):
         return NotImplemented
-    new = _updated(leaves, step, lr, b1, b2, eps, weight_decay)
-    return [leaf[0] for leaf in new] + [leaf[2] for leaf in new] + [leaf[3] for leaf in new]
+    new_p, new_m, new_v = zip(*_updated(leaves, step, lr, b1, b2, eps, weight_decay))
+    return [*new_p, *new_m, *new_v]
 
 
 def _adamw_inplace_decomposed(params, grads, mu, nu, step, lr, b1, b2, eps, weight_decay):  # type: ignore[no-untyped-def]
@@ -210,7 +212,7 @@ def _adamw_inplace_decomposed(params, grads, mu, nu, step, lr, b1, b2, eps, weig
     if len(leaves) > GENERATED_LEAVES:
         return NotImplemented
     new = _updated(leaves, step, lr, b1, b2, eps, weight_decay)
-    for (p, _, m, v), (p2, _, m2, v2) in zip(leaves, new):
+    for (p, _, m, v), (p2, m2, v2) in zip(leaves, new):
         p.copy_(p2)
         m.copy_(m2)
         v.copy_(v2)
