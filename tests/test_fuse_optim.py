@@ -94,6 +94,26 @@ def test_update_not_donated_in_mixed_layouts_keeps_the_op():
     assert "torch.ops.sgraph.adamw.default" in text.split("kernels (")[1], text
 
 
+def _table(n: int = 1) -> dict:
+    """The decompositions for a step with one AdamW update of ``n`` leaves."""
+    return kernel.decompositions(_graph_with_updates([n]))
+
+
+def _graph_with_updates(sizes: list[int]) -> torch.fx.GraphModule:
+    """A graph calling ``sgraph::adamw`` once per size, over that many leaves."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def updates(*flat):  # type: ignore[no-untyped-def]
+        out, i = [], 0
+        for n in sizes:
+            p, g, m, v = (list(flat[i + k * n : i + (k + 1) * n]) for k in range(4))
+            out += torch.ops.sgraph.adamw(p, g, m, v, torch.tensor(1), torch.tensor(1e-2), 0.9, 0.999, 1e-8, 0.0)
+            i += 4 * n
+        return out
+
+    return make_fx(updates)(*(torch.rand(3) for _ in range(4 * sum(sizes))))
+
+
 def test_decomposition_computes_what_the_kernel_does():
     g = torch.Generator().manual_seed(3)
     leaves = [[torch.randn(s, generator=g) for s in ((7, 3), (5,))] for _ in range(3)]
@@ -101,29 +121,41 @@ def test_decomposition_computes_what_the_kernel_does():
     nu = [torch.rand(t.shape, generator=g) for t in params]
     args = (torch.tensor(4), torch.tensor(3e-2), 0.9, 0.95, 1e-8, 0.1)
     want = torch.ops.sgraph.adamw(params, grads, mu, nu, *args)
-    got = kernel.decompositions()[torch.ops.sgraph.adamw.default](params, grads, mu, nu, *args)
+    table = _table()
+    got = table[torch.ops.sgraph.adamw.default](params, grads, mu, nu, *args)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     p, m, v = ([t.clone() for t in ts] for ts in (params, mu, nu))
-    kernel.decompositions()[torch.ops.sgraph.adamw_.default](p, grads, m, v, *args)
+    table[torch.ops.sgraph.adamw_.default](p, grads, m, v, *args)
     for a, b in zip(p + m + v, got):
         assert torch.equal(a, b)
     unaligned = [transposed(t) for t in params]
-    assert kernel.decompositions()[torch.ops.sgraph.adamw.default](unaligned, grads, mu, nu, *args) is NotImplemented
+    assert table[torch.ops.sgraph.adamw.default](unaligned, grads, mu, nu, *args) is NotImplemented
 
 
-def test_an_update_of_many_leaves_keeps_the_multi_tensor_kernel():
+def test_a_step_whose_updates_have_many_leaves_keeps_the_multi_tensor_kernel():
     # Each generated leaf update is a kernel of its own: past GENERATED_LEAVES leaves
     # ATen's multi-tensor kernel is as fast and compiles in a fraction of the time.
+    # Counted over the step: a memory plan splits one update into groups of a few leaves.
+    most = kernel.GENERATED_LEAVES
+    assert kernel.update_leaves(_graph_with_updates([most // 2, most - most // 2])) == most
+    assert _table(most) and not _table(most + 1)
+    assert not kernel.decompositions(_graph_with_updates([most // 2, most // 2 + 1]))
+
+
+def test_a_step_past_the_threshold_runs_the_op_in_place():
     n = kernel.GENERATED_LEAVES + 1
-    params, grads, mu = ([torch.randn(3) for _ in range(n)] for _ in range(3))
-    nu = [torch.rand(3) for _ in range(n)]
-    args = (torch.tensor(1), torch.tensor(1e-2), 0.9, 0.999, 1e-8, 0.0)
-    table = kernel.decompositions()
-    assert table[torch.ops.sgraph.adamw.default](params, grads, mu, nu, *args) is NotImplemented
-    assert table[torch.ops.sgraph.adamw_.default](params, grads, mu, nu, *args) is NotImplemented
-    fewer = kernel.GENERATED_LEAVES
-    assert table[torch.ops.sgraph.adamw.default](params[:fewer], grads[:fewer], mu[:fewer], nu[:fewer], *args)
+    g = torch.Generator().manual_seed(5)
+    params = {f"p{i:02d}": torch.randn(4, generator=g) for i in range(n)}
+    xs = [{k: torch.randn(4, generator=g) for k in params} for _ in range(3)]
+    want = _run(step, {k: v.clone() for k, v in params.items()}, xs)
+    fused = sg.static(sg.fuse(step), donate=("params", "state"))
+    got = _run(fused, params, xs)
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=0)
+    for k in params:
+        torch.testing.assert_close(got[0][k], want[0][k], rtol=1e-5, atol=1e-6, msg=k)
+    listed = fused.last_compiled.as_text().split("kernels (")[1]
+    assert "torch.ops.sgraph.adamw_.default" in listed, listed
 
 
 @pytest.mark.parametrize("donate", [("params", "state"), ()], ids=["donated", "not-donated"])

@@ -21,11 +21,21 @@ common case: moments from ``init``, grads laid out like the params) are not copi
 from __future__ import annotations
 
 import torch
+import torch.fx
 from torch import Tensor
 
 from ..errors import ArgumentError
 
-__all__ = ["GENERATED_LEAVES", "INPLACE_FORMS", "adamw", "adamw_", "decompositions", "fusable", "written_lists"]
+__all__ = [
+    "GENERATED_LEAVES",
+    "INPLACE_FORMS",
+    "adamw",
+    "adamw_",
+    "decompositions",
+    "fusable",
+    "update_leaves",
+    "written_lists",
+]
 
 _DTYPES = (torch.float32,)
 _NAMES = ("params", "grads", "mu", "nu")
@@ -190,27 +200,24 @@ def _updated(
 
 
 def _adamw_decomposed(params, grads, mu, nu, step, lr, b1, b2, eps, weight_decay):  # type: ignore[no-untyped-def]
-    """``sgraph::adamw`` in ATen ops, for an update of at most ``GENERATED_LEAVES``
-    leaves whose four tensors share one dense layout per leaf (each result then has
-    its input's, as the op promises); otherwise the op is kept (NotImplemented)."""
+    """``sgraph::adamw`` in ATen ops, where every leaf's four tensors share one dense
+    layout (each result then has its input's, as the op promises); otherwise the op is
+    kept (NotImplemented)."""
     leaves = list(zip(params, grads, mu, nu))
-    if not 0 < len(leaves) <= GENERATED_LEAVES or not all(_aligned(*leaf) for leaf in leaves):
+    if not leaves or not all(_aligned(*leaf) for leaf in leaves):
         return NotImplemented
     new_p, new_m, new_v = zip(*_updated(leaves, step, lr, b1, b2, eps, weight_decay))
     return [*new_p, *new_m, *new_v]
 
 
 def _adamw_inplace_decomposed(params, grads, mu, nu, step, lr, b1, b2, eps, weight_decay):  # type: ignore[no-untyped-def]
-    """``sgraph::adamw_`` in ATen ops, for an update of at most ``GENERATED_LEAVES``
-    leaves (otherwise the op is kept): the new values, then a ``copy_`` into each
-    param and moment (in its own layout, whatever the others' are)."""
+    """``sgraph::adamw_`` in ATen ops: the new values, then a ``copy_`` into each param
+    and moment (in its own layout, whatever the others' are)."""
     leaves = list(zip(params, grads, mu, nu))
     for i, leaf in enumerate(leaves):
         _check_shapes(i, leaf)
     if not leaves:
         return None
-    if len(leaves) > GENERATED_LEAVES:
-        return NotImplemented
     new = _updated(leaves, step, lr, b1, b2, eps, weight_decay)
     for (p, _, m, v), (p2, m2, v2) in zip(leaves, new):
         p.copy_(p2)
@@ -220,22 +227,39 @@ def _adamw_inplace_decomposed(params, grads, mu, nu, step, lr, b1, b2, eps, weig
 
 
 GENERATED_LEAVES = 16
-"""The most leaves an update may have for ``sg.fuse`` to generate it (see
-:func:`decompositions`)."""
+"""The most leaves a step's AdamW updates may have in all for ``sg.fuse`` to generate
+them (see :func:`decompositions`)."""
 
 
-def decompositions() -> dict:
-    """Both ops as ATen elementwise ops, for a graph Inductor lowers: it then fuses each
-    leaf's update with the ops making its gradient (the cast of a bf16 matmul's result,
-    a bias gradient's sum) and writes params and moments in place in one pass.
+def decompositions(gm: torch.fx.GraphModule) -> dict:
+    """Both ops as ATen elementwise ops, for ``gm`` compiled by Inductor, if its AdamW
+    updates have at most ``GENERATED_LEAVES`` leaves in all (else empty). Inductor then
+    fuses each leaf's update with the ops making its gradient (the cast of a bf16
+    matmul's result, a bias gradient's sum) and writes params and moments in place in
+    one pass.
 
-    Only for updates of at most ``GENERATED_LEAVES`` leaves. Measured on the H200
-    (``sg.static(sg.fuse(step))``, bf16 autocast, 2026-12-02): the MLP of 10 leaves
-    went from 0.161 to 0.137 ms per step, while GPTs of 77 and 149 leaves ran at the
-    same speed as on ATen's multi-tensor kernel (4.09 / 4.12 and 45.0 / 44.9 ms) but
-    took 14.3 and 34.0 s in Inductor against 4.8 and 7.1 s, each leaf's update being
-    a kernel of its own (fused with a different producer)."""
+    Counted over the whole step, not per op: a memory plan splits one update into
+    groups of a few leaves each. Measured on the H200 (``sg.static(sg.fuse(step))``,
+    bf16 autocast, 2026-12-02): the MLP of 10 leaves went from 0.161 to 0.137 ms per
+    step, while GPTs of 77 and 149 leaves ran at the same speed as on ATen's
+    multi-tensor kernel (4.09 / 4.12 and 45.0 / 44.9 ms) but took 14.3 and 34.0 s in
+    Inductor against 4.8 and 7.1 s, each leaf's update being a kernel of its own (fused
+    with a different producer)."""
+    if update_leaves(gm) > GENERATED_LEAVES:
+        return {}
     return {
         torch.ops.sgraph.adamw.default: _adamw_decomposed,
         torch.ops.sgraph.adamw_.default: _adamw_inplace_decomposed,
     }
+
+
+def update_leaves(gm: torch.fx.GraphModule) -> int:
+    """The leaves of all of ``gm``'s AdamW updates (its subgraphs' included)."""
+    ops = (torch.ops.sgraph.adamw.default, torch.ops.sgraph.adamw_.default)
+    count = 0
+    for node in gm.graph.nodes:
+        if node.target in ops:
+            count += len(node.args[0])
+        elif node.op == "get_attr" and isinstance(sub := getattr(gm, str(node.target), None), torch.fx.GraphModule):
+            count += update_leaves(sub)
+    return count

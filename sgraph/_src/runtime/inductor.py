@@ -147,7 +147,7 @@ def _lowered(gm: torch.fx.GraphModule, examples: list[torch.Tensor]) -> tuple[An
     from torch._inductor.compile_fx import compile_fx
 
     try:
-        direct = compile_direct(gm, examples, optimizer_decompositions())
+        direct = compile_direct(gm, examples, optimizer_decompositions(gm))
     except Exception as error:
         # a slower compile, the same program: say why where logging is on
         log.warning(
