@@ -117,10 +117,12 @@ def _assert_matches(world: int, losses, params) -> None:
         torch.testing.assert_close(params[k].full_tensor(), v, rtol=1e-5, atol=1e-6)
 
 
-def _counts(stage) -> dict[str, int]:
+def _counts(stage, group: str | None = None) -> dict[str, int]:
+    """Collectives by kind (over the process group named ``group`` only, if given)."""
     found: dict[str, int] = {}
     for c in collectives(stage.program.graph):
-        found[c.kind] = found.get(c.kind, 0) + 1
+        if group is None or c.group == group:
+            found[c.kind] = found.get(c.kind, 0) + 1
     return found
 
 
@@ -185,9 +187,16 @@ def fsdp_times_tp_matches_one_process(rank: int, world: int) -> None:
     spec = sg.fsdp("dp") + sg.tp(TP, axis="tp")
     losses, params, lowered, _ = _train(world // 2, rank, mesh, spec)
     _assert_matches(world // 2, losses, params)
-    traced, counts = _counts(lowered.traced), _counts(lowered)
-    assert traced.get("all_gather", 0) >= 4 and traced.get("reduce_scatter", 0) >= 4, traced
-    assert sum(counts.values()) < sum(traced.values()), (traced, counts)  # bucketed
+    # over dp, FSDP gathers and reduce-scatters each parameter it shards: all but
+    # 0.bias, whose one dim TP splits (it stays whole over dp). Over tp, DTensor's own
+    # collectives differ by torch version (2.11 all-reduces the row-wise layer's partial
+    # sums where 2.13 reduce-scatters and gathers them), so they are not counted here.
+    dp = mesh.get_group("dp").group_name
+    assert params["0.bias"].placements[0].is_replicate()
+    traced = _counts(lowered.traced, dp)
+    assert traced.get("all_gather", 0) >= 3 and traced.get("reduce_scatter", 0) == 3, traced
+    counts = _counts(lowered)
+    assert sum(counts.values()) < sum(_counts(lowered.traced).values()), counts  # bucketed
 
 
 @_check
