@@ -18,11 +18,45 @@ import torch.nn.functional as F
 from sgraph._src.kernels import linear_cross_entropy as lce
 from sgraph._src.kernels.cross_entropy_rows import cross_entropy_rows_, cross_entropy_rows_reference
 
+
+def _interpreter_problem() -> str | None:
+    """Why Triton's interpreter cannot run the kernels on CPU tensors here; None if it can.
+
+    Triton 3.6's interpreter (torch 2.11's) turns a loop bound given at run time into
+    an int through a one-element NumPy array, which NumPy 2.4 refuses: a kernel looping
+    up to a runtime size then fails in the interpreter (compiled, it runs). A probe
+    kernel with such a loop tells."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return "needs TRITON_INTERPRET=1"
+    try:
+        import numpy
+        import triton
+    except ImportError:
+        return "needs triton"
+    try:
+        _probe[(1,)](torch.zeros(8), 8, BLOCK=4)
+    except Exception as error:  # noqa: BLE001 - any failure of the probe means the interpreter cannot be used
+        return (
+            f"Triton {triton.__version__}'s interpreter cannot loop to a runtime bound with NumPy "
+            f"{numpy.__version__} ({type(error).__name__}); the GPU runs the kernels compiled"
+        )
+    return None
+
+
+try:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _probe(out, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        for start in range(0, n, BLOCK):
+            tl.store(out + start + tl.arange(0, BLOCK), tl.full([BLOCK], 1.0, tl.float32))
+except ImportError:
+    pass
+
+_INTERPRETER = _interpreter_problem()
 DEVICES = [
-    pytest.param(
-        "cpu",
-        marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"),
-    ),
+    pytest.param("cpu", marks=pytest.mark.skipif(_INTERPRETER is not None, reason=str(_INTERPRETER))),
     pytest.param("cuda", marks=pytest.mark.gpu),
 ]
 
