@@ -256,10 +256,5 @@ def decompositions(gm: torch.fx.GraphModule) -> dict:
 def update_leaves(gm: torch.fx.GraphModule) -> int:
     """The leaves of all of ``gm``'s AdamW updates (its subgraphs' included)."""
     ops = (torch.ops.sgraph.adamw.default, torch.ops.sgraph.adamw_.default)
-    count = 0
-    for node in gm.graph.nodes:
-        if node.target in ops:
-            count += len(node.args[0])
-        elif node.op == "get_attr" and isinstance(sub := getattr(gm, str(node.target), None), torch.fx.GraphModule):
-            count += update_leaves(sub)
-    return count
+    graphs = [m.graph for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
+    return sum(len(node.args[0]) for graph in graphs for node in graph.nodes if node.target in ops)

@@ -40,6 +40,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from ..program import placeholders, written_args
+
 __all__ = ["compile_direct"]
 
 _INDEX = "sgraph-direct"  # the index's folder, inside Inductor's cache directory
@@ -102,25 +104,20 @@ def _writes_only_inputs(gm: torch.fx.GraphModule) -> bool:
     after AOTAutograd: ``copy_`` into an input, or an own kernel's in-place form whose
     written arguments are inputs. An in-place ATen op on an intermediate would reach
     Inductor unfunctionalized, which it does not expect."""
-    inputs = {n for n in gm.graph.nodes if n.op == "placeholder"}
+    return all(_writes_only_own_inputs(m) for m in gm.modules() if isinstance(m, torch.fx.GraphModule))
+
+
+def _writes_only_own_inputs(gm: torch.fx.GraphModule) -> bool:
+    inputs = set(placeholders(gm.graph))
     for node in gm.graph.nodes:
-        if node.op == "get_attr" and isinstance(getattr(gm, str(node.target), None), torch.fx.GraphModule):
-            if not _writes_only_inputs(getattr(gm, str(node.target))):
-                return False
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
-        schema = node.target._schema
-        if not schema.is_mutable:
+        if not node.target._schema.is_mutable:
             continue
         if node.target.namespace == "aten" and node.target is not torch.ops.aten.copy_.default:
             return False
-        given = {a.name: v for a, v in zip(schema.arguments, node.args)} | dict(node.kwargs)
-        for argument in schema.arguments:
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            value = given.get(argument.name)
-            if not all(v in inputs for v in (value if isinstance(value, (list, tuple)) else [value])):
-                return False
+        if not all(v in inputs for v in written_args(node)):
+            return False
     return True
 
 
