@@ -41,6 +41,7 @@ import torch
 import torch.fx
 
 from ..program import placeholders, written_args
+from .source_keys import remember_source_keys
 
 __all__ = ["compile_direct"]
 
@@ -262,6 +263,7 @@ def _index_key(
     config = entry["config"]
     if config.force_disable_caches or not config.fx_graph_cache:
         return None
+    remember_source_keys(entry["cache_dir"]())
     try:
         details = entry["hash_details"](gm, examples, kwargs, [])
         pickler = entry["hash_pickler"](gm, bool(details.user_defined_triton_source))

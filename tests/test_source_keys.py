@@ -1,0 +1,131 @@
+"""Torch's and Triton's source keys remembered per installation (runtime/source_keys.py):
+the fingerprint sees each change a hash would, remembered keys are the computed ones,
+and Inductor is handed exactly what the file holds."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch._inductor import codecache
+from torch._inductor.runtime import triton_compat
+
+from sgraph._src.runtime import source_keys
+
+
+@pytest.fixture
+def fresh_process(monkeypatch):
+    """As in a new process: nothing handed yet, neither key computed; afterwards the
+    real keys are computed again when next needed."""
+    monkeypatch.setattr(source_keys, "_handed", False)
+    codecache.torch_key.clear()
+    codecache.CacheBase.get_system.cache_clear()
+    if hasattr(codecache, "triton_key"):  # torch >= 2.13 caches Triton's key here too
+        codecache.triton_key.clear()
+    yield
+    codecache.torch_key.clear()
+    codecache.CacheBase.get_system.cache_clear()
+    if hasattr(codecache, "triton_key"):
+        codecache.triton_key.clear()
+
+
+def _package(root, *names):
+    for name in names:
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"# {name}\n")
+    return root
+
+
+def _bump(path, size_change=False):
+    if size_change:
+        path.write_text(path.read_text() + "x = 1\n")
+    else:  # same size, same content length: only the modification time says so
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+
+
+def _listing(root):
+    return sorted(source_keys._listing(str(root), packages_only=True))
+
+
+def test_the_listing_changes_with_each_module_file_the_hash_reads(tmp_path):
+    root = _package(tmp_path / "pkg", "__init__.py", "a.py", "sub/__init__.py", "sub/b.py")
+    before = _listing(root)
+    _bump(root / "sub" / "b.py")
+    assert _listing(root) != before
+    changed = _listing(root)
+    _bump(root / "a.py", size_change=True)
+    assert _listing(root) != changed
+    changed = _listing(root)
+    _package(root, "sub/c.py")
+    assert _listing(root) != changed
+    changed = _listing(root)
+    (root / "sub" / "c.py").unlink()
+    assert _listing(root) != changed
+
+
+def test_the_listing_ignores_what_no_hash_reads(tmp_path):
+    root = _package(tmp_path / "pkg", "__init__.py", "a.py", "include/x.h", "data/notes.txt")
+    before = _listing(root)
+    _package(root, "__pycache__/a.cpython-311.pyc", "include/y.py", "data/z.py", "README.md")
+    assert _listing(root) == before  # bytecode caches, folders that are no packages, non-modules
+    _package(root, "data/__init__.py")  # now a package: its modules count
+    assert _listing(root) != before
+
+
+def test_a_miss_remembers_the_computed_keys(tmp_path, fresh_process):
+    assert source_keys.remember_source_keys(str(tmp_path)) is False
+    (path,) = (tmp_path / "sgraph-source-keys").iterdir()
+    keys = json.loads(path.read_text())
+    assert bytes.fromhex(keys["torch"]) == codecache.torch_key()
+    if triton_compat.HAS_TRITON:
+        assert keys["triton"] == triton_compat.triton_key()
+    assert source_keys.remember_source_keys(str(tmp_path)) is False  # once per process
+
+
+def test_a_hit_hands_inductor_the_remembered_keys(tmp_path, fresh_process, monkeypatch):
+    folder = tmp_path / "sgraph-source-keys"
+    folder.mkdir()
+    (folder / source_keys._fingerprint()).write_text(json.dumps({"torch": "ab" * 32, "triton": "remembered"}))
+    hashed = []
+    monkeypatch.setattr(triton_compat, "triton_key", lambda: hashed.append(1) or "hashed")
+    assert source_keys.remember_source_keys(str(tmp_path)) is True
+    assert codecache.torch_key() == bytes.fromhex("ab" * 32)
+    system = codecache.CacheBase.get_system()
+    if triton_compat.HAS_TRITON and torch.cuda.is_available():  # without a GPU the key is not kept
+        assert system["version"]["triton"] == "remembered"
+    if triton_compat.HAS_TRITON and hasattr(codecache, "triton_key"):
+        assert codecache.triton_key() == "remembered"
+    assert hashed == []
+    assert triton_compat.triton_key() == "hashed"  # the function Inductor calls is as it was
+
+
+UNREADABLE = ["not json", "[1]", '{"torch": "zz", "triton": null}', '{"torch": "ab", "triton": 3}']
+
+
+@pytest.mark.parametrize("content", UNREADABLE)
+def test_an_unreadable_file_is_computed_again_and_replaced(tmp_path, fresh_process, content):
+    folder = tmp_path / "sgraph-source-keys"
+    folder.mkdir()
+    path = folder / source_keys._fingerprint()
+    path.write_text(content)
+    assert source_keys.remember_source_keys(str(tmp_path)) is False
+    assert bytes.fromhex(json.loads(path.read_text())["torch"]) == codecache.torch_key()
+
+
+def test_a_key_already_computed_in_the_process_is_kept(tmp_path, fresh_process):
+    computed = codecache.torch_key()
+    folder = tmp_path / "sgraph-source-keys"
+    folder.mkdir()
+    (folder / source_keys._fingerprint()).write_text(json.dumps({"torch": "cd" * 32, "triton": None}))
+    source_keys.remember_source_keys(str(tmp_path))
+    assert codecache.torch_key() == computed
+
+
+def test_the_fingerprint_names_torchs_version(monkeypatch):
+    before = source_keys._fingerprint()
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    assert source_keys._fingerprint() != before
