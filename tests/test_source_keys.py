@@ -16,10 +16,11 @@ from sgraph._src.runtime import source_keys
 
 
 @pytest.fixture
-def fresh_process(monkeypatch):
+def fresh_process(monkeypatch, tmp_path):
     """As in a new process: nothing handed yet, neither key computed; afterwards the
     real keys are computed again when next needed."""
     monkeypatch.setattr(source_keys, "_handed", False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     codecache.torch_key.clear()
     codecache.CacheBase.get_system.cache_clear()
     if hasattr(codecache, "triton_key"):  # torch >= 2.13 caches Triton's key here too
@@ -77,13 +78,13 @@ def test_the_listing_ignores_what_no_hash_reads(tmp_path):
 
 
 def test_a_miss_remembers_the_computed_keys(tmp_path, fresh_process):
-    assert source_keys.remember_source_keys(str(tmp_path)) is False
+    assert source_keys.remember_source_keys() is False
     (path,) = (tmp_path / "sgraph-source-keys").iterdir()
     keys = json.loads(path.read_text())
     assert bytes.fromhex(keys["torch"]) == codecache.torch_key()
     if triton_compat.HAS_TRITON:
         assert keys["triton"] == triton_compat.triton_key()
-    assert source_keys.remember_source_keys(str(tmp_path)) is False  # once per process
+    assert source_keys.remember_source_keys() is False  # once per process
 
 
 def test_a_hit_hands_inductor_the_remembered_keys(tmp_path, fresh_process, monkeypatch):
@@ -92,7 +93,7 @@ def test_a_hit_hands_inductor_the_remembered_keys(tmp_path, fresh_process, monke
     (folder / source_keys._fingerprint()).write_text(json.dumps({"torch": "ab" * 32, "triton": "remembered"}))
     hashed = []
     monkeypatch.setattr(triton_compat, "triton_key", lambda: hashed.append(1) or "hashed")
-    assert source_keys.remember_source_keys(str(tmp_path)) is True
+    assert source_keys.remember_source_keys() is True
     assert codecache.torch_key() == bytes.fromhex("ab" * 32)
     system = codecache.CacheBase.get_system()
     if triton_compat.HAS_TRITON and torch.cuda.is_available():  # without a GPU the key is not kept
@@ -112,7 +113,7 @@ def test_an_unreadable_file_is_computed_again_and_replaced(tmp_path, fresh_proce
     folder.mkdir()
     path = folder / source_keys._fingerprint()
     path.write_text(content)
-    assert source_keys.remember_source_keys(str(tmp_path)) is False
+    assert source_keys.remember_source_keys() is False
     assert bytes.fromhex(json.loads(path.read_text())["torch"]) == codecache.torch_key()
 
 
@@ -121,7 +122,7 @@ def test_a_key_already_computed_in_the_process_is_kept(tmp_path, fresh_process):
     folder = tmp_path / "sgraph-source-keys"
     folder.mkdir()
     (folder / source_keys._fingerprint()).write_text(json.dumps({"torch": "cd" * 32, "triton": None}))
-    source_keys.remember_source_keys(str(tmp_path))
+    source_keys.remember_source_keys()
     assert codecache.torch_key() == computed
 
 
@@ -129,3 +130,14 @@ def test_the_fingerprint_names_torchs_version(monkeypatch):
     before = source_keys._fingerprint()
     monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
     assert source_keys._fingerprint() != before
+
+
+def test_the_keys_are_handed_before_the_compile_workers_start(fresh_process, monkeypatch):
+    from torch._inductor import async_compile
+
+    from sgraph._src.runtime.workers import start_compile_workers
+
+    seen = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: seen.append(source_keys._handed))
+    assert start_compile_workers([torch.device("cuda", 0)])
+    assert seen == [True]

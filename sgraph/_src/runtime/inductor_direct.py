@@ -263,7 +263,7 @@ def _index_key(
     config = entry["config"]
     if config.force_disable_caches or not config.fx_graph_cache:
         return None
-    remember_source_keys(entry["cache_dir"]())
+    remember_source_keys()
     try:
         details = entry["hash_details"](gm, examples, kwargs, [])
         pickler = entry["hash_pickler"](gm, bool(details.user_defined_triton_source))

@@ -36,42 +36,48 @@ _TORCH_EXTRA = ("_inductor/codegen/aoti_runtime/interface.cpp", "_inductor/scrip
 _handed = False
 
 
-def remember_source_keys(cache_dir: str) -> bool:
+def remember_source_keys() -> bool:
     """Hand Inductor the source keys remembered for this installation, or compute and
-    remember them; once per process. Whether remembered keys were handed over.
-
-    Args:
-        cache_dir: Inductor's cache directory (the keys are kept in a folder inside it).
+    remember them; once per process, before anything of Inductor's asks for them
+    (starting its compile workers does). Whether remembered keys were handed over.
 
     Returns:
-        True if both keys came from the file (nothing was hashed).
+        True if both keys came from the file (nothing was hashed); False where they
+        were computed, where this torch offers no way to hand them over, and where
+        Inductor's caches are forced off (nothing is read or written then).
 
     Example:
-        >>> remember_source_keys(cache_dir())  # before Inductor computes a cache key
+        >>> remember_source_keys()  # then maybe_warm_pool(), compile_fx_inner(...)
     """
     global _handed
     if _handed:
         return False
     _handed = True
-    setters = _setters()
-    if setters is None:
+    found = _inductor()
+    if found is None:
         return False
+    cache_dir, hand = found
     path = Path(cache_dir) / _FOLDER / _fingerprint()
     remembered = _read(path)
     if remembered is None:
         _write(path, _computed())
         return False
-    return setters(remembered)
+    return hand(remembered)
 
 
-def _setters() -> Callable[[dict], bool] | None:
-    """The function handing keys to Inductor; None where this torch has no way to."""
+def _inductor() -> tuple[str, Callable[[dict], bool]] | None:
+    """Inductor's cache directory and a function handing it keys; None where this
+    torch has no way to take them, or its caches are forced off."""
     try:
         from torch._inductor import codecache
+        from torch._inductor import config as inductor_config
         from torch._inductor.runtime import triton_compat
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
     except ImportError:
         return None
     if not hasattr(codecache.torch_key, "set") or not hasattr(codecache, "CacheBase"):
+        return None
+    if inductor_config.force_disable_caches:
         return None
 
     def hand(keys: dict) -> bool:
@@ -86,7 +92,7 @@ def _setters() -> Callable[[dict], bool] | None:
                 triton_compat.triton_key = real
         return True
 
-    return hand
+    return cache_dir(), hand
 
 
 def _computed() -> dict:
@@ -105,7 +111,10 @@ def _fingerprint() -> str:
     torch_root = os.path.dirname(torch.__file__)
     listed = _listing(torch_root, packages_only=True)
     listed += _stats(os.path.join(torch_root, extra) for extra in _TORCH_EXTRA)
-    spec = importlib.util.find_spec("triton")
+    try:
+        spec = importlib.util.find_spec("triton")
+    except (ImportError, ValueError):  # a triton module without a spec: none installed as a package
+        spec = None
     if spec is not None and spec.origin:
         listed += _listing(os.path.dirname(spec.origin), packages_only=False)
     hasher.update("\n".join(sorted(listed)).encode())
