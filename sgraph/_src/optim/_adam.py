@@ -114,7 +114,7 @@ def _fused(
     adds back (exactly, when ``new_p`` is within a factor of two of ``p``; a compiled
     step folds ``p + (new_p - p)`` to ``new_p``).
     """
-    lr_tensor = torch.as_tensor(lr, dtype=torch.float32, device=count.device)
+    lr_tensor = _scalars.as_tensor(lr, torch.float32, count.device)
     out = fused_adamw(
         list(p), list(g), list(mu), list(nu), count + 1, lr_tensor, cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay
     )

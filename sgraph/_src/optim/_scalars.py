@@ -22,6 +22,7 @@ __all__ = [
     "learning_rate",
     "bias_correction",
     "like",
+    "as_tensor",
     "dtypes_of",
     "lerp",
     "sign",
@@ -61,7 +62,17 @@ def learning_rate(lr: Any, count: torch.Tensor) -> Scalar:
     """
     if isinstance(lr, float):
         return lr
-    return torch.as_tensor(lr(count), dtype=torch.float64, device=count.device)
+    return as_tensor(lr(count), torch.float64, count.device)
+
+
+def as_tensor(value: Scalar, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``value`` as a 0-dim tensor. A Python number goes through a factory op
+    (``torch.full``), which a trace records like any op: ``torch.as_tensor`` of a number
+    allocates on the device for real first, so a step for a GPU could not be traced
+    (analysed, lowered) on a machine without one."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype=dtype, device=device)
+    return torch.full((), value, dtype=dtype, device=device)
 
 
 def bias_correction(beta: float, step: torch.Tensor) -> torch.Tensor:
