@@ -208,3 +208,42 @@ def test_a_step_on_generated_cuda_kernels_holds_the_l2_flush_of_their_first_timi
     assert [(x.nbytes, x.kind, x.start, x.end) for x in flush] == [(expected, "workspace", 0, len(fused.timeline) - 1)]
     assert fused.peak_bytes == sg.static(step).lower(a).memory_analysis().peak_bytes + expected
     assert all(x.name != "autotuning_l2_flush" for x in sg.fuse(step).lower(X).memory_analysis().buffers)  # CPU
+
+
+def _adamw_step(leaves):
+    opt = sg.optim.adamw(1e-3)
+
+    def step(params, opt_state, x):  # gradients by hand: autograd on fake CUDA tensors needs a GPU
+        grads = {k: (x @ w).mean(0).expand_as(w) * w for k, w in params.items()}
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return sg.optim.apply_updates(params, updates), opt_state, x.sum()
+
+    shapes = [(32, 8 * (i + 1)) for i in range(leaves)]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        params = {f"w{i}": torch.empty(*s, device="cuda") for i, s in enumerate(shapes)}
+        x = torch.empty(4, 32, device="cuda")
+        opt_state = opt.init(params)
+    return step, params, opt_state, x
+
+
+@pytest.mark.parametrize("leaves", [3, 17])
+def test_a_generated_in_place_adamw_holds_inductors_timing_copies_at_the_update(leaves):
+    step, params, opt_state, x = _adamw_step(leaves)
+    lowered = sg.static(sg.fuse(step), donate=("params", "opt_state")).lower(params, opt_state, x)
+    nodes = list(lowered.program.graph.nodes)
+    (update,) = [i for i, n in enumerate(nodes) if n.target is torch.ops.sgraph.adamw_.default]
+    m = lowered.memory_analysis()
+    copies = [b for b in m.buffers if b.name.endswith(".timing_copies")]
+    if leaves > 16:  # ATen's multi-tensor kernel runs the update: nothing timed, nothing copied
+        assert copies == []
+        return
+    largest = max(_nbytes(p) for p in params.values()) * 3  # the param and both moments of one leaf
+    assert [(b.nbytes, b.kind, b.start, b.end) for b in copies] == [(largest, "workspace", update, update)]
+    without = [b for b in m.buffers if b not in copies]
+    assert m.timeline[update] == _live(without, len(nodes))[update] + largest
+    on_eager_kernels = sg.static(step, donate=("params", "opt_state")).lower(params, opt_state, x)
+    assert not any(b.name.endswith(".timing_copies") for b in on_eager_kernels.memory_analysis().buffers)
+    not_donated = sg.static(sg.fuse(step)).lower(params, opt_state, x)  # a new param: nothing written in place
+    assert not any(b.name.endswith(".timing_copies") for b in not_donated.memory_analysis().buffers)

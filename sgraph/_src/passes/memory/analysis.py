@@ -17,7 +17,8 @@ chunk of logits of the fused linear + cross-entropy), during that op, and, for a
 step run on ``sg.fuse``'s generated kernels on CUDA, the buffer Inductor flushes the
 L2 cache with while it times kernel configurations at their first launch (the size
 of the L2 cache; the first call only, at any point of it, so it is counted through
-the step).
+the step), and the copies it times a kernel writing its inputs in place on (an AdamW
+update it generates: one leaf's param and moments, at the update).
 
 Not counted: the memory of other ops' insides (cuDNN workspaces, the buffers a
 generated kernel keeps to itself), the CUDA-graph runtime's copies of non-donated
@@ -36,7 +37,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -198,7 +199,8 @@ def memory_analysis(program: Program, *, generated: bool = False) -> MemoryAnaly
         finish = end if node in live_to_end else max(start, last_read.get(node, start))
         kind = "output" if node in live_to_end else _kind(node, nodes, finish)
         buffers.append(_buffer(node, kind, start, finish))
-    buffers += _inside_ops(nodes) + _library_workspaces(nodes) + (_autotuning(nodes) if generated else [])
+    buffers += _inside_ops(nodes) + _library_workspaces(nodes)
+    buffers += _autotuning(nodes) + _update_clones(nodes, position) if generated else []
     return _summary(program.name, nodes, buffers)
 
 
@@ -279,6 +281,41 @@ def _autotuning(nodes: list[torch.fx.Node]) -> list[Buffer]:
     if torch.cuda.is_available():
         nbytes = torch.cuda.get_device_properties(cuda[0].index or 0).L2_cache_size
     return [Buffer("autotuning_l2_flush", nbytes, "workspace", 0, len(nodes) - 1, "L2 flush of kernel timing")]
+
+
+def _update_clones(nodes: list[torch.fx.Node], position: dict[torch.fx.Node, int]) -> list[Buffer]:
+    """What Inductor copies while it times a generated kernel that writes its inputs in
+    place, for a CUDA step: the params and moments an AdamW update written in place
+    (``sgraph::adamw_``) is lowered to write when ``sg.fuse`` generates it (see
+    ``kernels/adamw.py``). Each leaf's update is a kernel of its own, timed alone with
+    copies of the three tensors it writes, at the update (the first call only)."""
+    from ...kernels.adamw import GENERATED_LEAVES
+
+    adamw = (torch.ops.sgraph.adamw.default, torch.ops.sgraph.adamw_.default)
+    every = [n for n in nodes if n.op == "call_function" and n.target in adamw]
+    if sum(len(cast("list", n.args[0])) for n in every) > GENERATED_LEAVES:  # not generated: ATen's kernel
+        return []
+    found = []
+    for node in every:
+        sizes = _written_per_leaf(node) if node.target is torch.ops.sgraph.adamw_.default else []
+        if sizes:
+            at = position[node]
+            found.append(
+                Buffer(f"{node.name}.timing_copies", max(sizes), "workspace", at, at, "copies for kernel timing")
+            )
+    return found
+
+
+def _written_per_leaf(update: torch.fx.Node) -> list[int]:
+    """Bytes of each leaf's param and moments an in-place AdamW writes (CUDA only)."""
+    params, _, mu, nu = (cast("list[torch.fx.Node]", update.args[i]) for i in range(4))
+    sizes = []
+    for leaf in zip(params, mu, nu):
+        vals = [t.meta.get("val") for t in leaf]
+        tensors = [v for v in vals if isinstance(v, torch.Tensor) and v.device.type == "cuda"]
+        if len(tensors) == len(vals):
+            sizes.append(sum(_nbytes(v) for v in tensors))
+    return sizes
 
 
 def _cublas_workspace_bytes(device: torch.device) -> int:
