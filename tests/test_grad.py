@@ -70,3 +70,22 @@ def test_errors_name_the_problem():
         sg.grad(loss, argnums=-1)
     with pytest.raises(TypeError, match=r"argnums=\(2,\) but only 2 positional arguments"):
         sg.grad(loss, argnums=2)(*setup())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the case of a machine without a CUDA device")
+def test_a_step_differentiating_fake_cuda_tensors_without_a_gpu_raises_instead_of_aborting():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def step(w, x):
+        loss, g = sg.value_and_grad(lambda w: (x @ w).sum())(w)
+        return w - 0.1 * g, loss
+
+    with FakeTensorMode():  # how a step for a GPU is traced and analysed without one
+        w, x = torch.empty(8, 4, device="cuda"), torch.empty(2, 8, device="cuda")
+        cpu_w, cpu_x = torch.empty(8, 4), torch.empty(2, 8)
+    with pytest.raises(
+        sg.CaptureError, match=r"sg.grad\(.*<lambda>\): differentiates tensors on cuda:0.*FakeTensorMode"
+    ):
+        sg.static(step).lower(w, x)
+    lowered = sg.static(step).lower(cpu_w, cpu_x)  # the fix the message gives
+    assert lowered.memory_analysis().peak_bytes > 0

@@ -14,7 +14,7 @@ import torch
 
 from . import tree
 from .dtensors import for_compute, like
-from .errors import ArgumentError, ArgumentTypeError
+from .errors import ArgumentError, ArgumentTypeError, CaptureError
 
 __all__ = ["grad", "value_and_grad"]
 
@@ -105,6 +105,7 @@ def _value_and_grad(
         specs.append(spec)
         args[n] = tree.unflatten(spec, [for_compute(a, b) for a, b in zip(leaves, watched)])
     flat = [leaf for leaves in inputs for leaf in leaves]
+    _check_devices_present(fun, flat)  # before the forward: autograd records it on the device
     create_graph = outer  # an outer sg.grad differentiates through this one
     with torch.enable_grad():  # gradients even under an outer torch.no_grad(), as torch.func.grad
         out = fun(*args, **kwargs)
@@ -157,6 +158,24 @@ def _split_aux(fun: Callable[..., Any], out: Any, has_aux: bool) -> tuple[torch.
             f"sg.grad({_name(fun)}): the function must return a floating-point scalar tensor; found {found}.{hint}"
         )
     return value, aux
+
+
+def _check_devices_present(fun: Callable[..., Any], inputs: list[Any]) -> None:
+    """Tensors of a device this machine lacks (fake CUDA tensors, traced on a CPU-only
+    machine to analyse a step) cannot be differentiated: torch's autograd engine sets
+    the device up even for them, and a CPU-only torch aborts the process there."""
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    for device in dict.fromkeys(x.device for x in tensors):
+        backend = getattr(torch, device.type, None) if device.type not in ("cpu", "meta") else None
+        available = getattr(backend, "is_available", None)
+        if available is not None and not available():
+            raise CaptureError(
+                f"sg.grad({_name(fun)}): differentiates tensors on {device}, which this machine does not "
+                f"have (torch's autograd engine sets the device up even for fake tensors). Trace the step "
+                "on a machine with that device, or analyse it with tensors of the same shapes on the CPU "
+                "(fake tensors under torch's FakeTensorMode allocate nothing; the device's own "
+                "workspaces are then not counted)."
+            )
 
 
 def _autograd(value: torch.Tensor, inputs: list[Any], create_graph: bool) -> list[Any]:

@@ -6,7 +6,8 @@ optimizer state, the batch) are the user's and live throughout; values the step
 returns live to its end. A view or an in-place op allocates nothing; each tensor of
 a multi-output op (a foreach op, layer norm's mean and rstd) is its own buffer. The
 sizes come from the fake tensors the trace recorded, so a step meant for a large GPU
-is analysed on any machine.
+is analysed before it runs (a train step for CUDA needs the device to be traced: see
+docs/memory.md).
 
 Two kinds of memory no tensor of the graph shows are counted as ``workspace``: the
 cuBLAS and cuBLASLt workspaces of the stream a CUDA step runs on, from its first
