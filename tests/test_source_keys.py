@@ -19,7 +19,8 @@ from sgraph._src.runtime import source_keys
 def fresh_process(monkeypatch, tmp_path):
     """As in a new process: nothing handed yet, neither key computed; afterwards the
     real keys are computed again when next needed."""
-    monkeypatch.setattr(source_keys, "_handed", False)
+    monkeypatch.setattr(source_keys, "_looked", False)
+    monkeypatch.setattr(source_keys, "_missing", None)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     codecache.torch_key.clear()
     codecache.CacheBase.get_system.cache_clear()
@@ -132,12 +133,29 @@ def test_the_fingerprint_names_torchs_version(monkeypatch):
     assert source_keys._fingerprint() != before
 
 
-def test_the_keys_are_handed_before_the_compile_workers_start(fresh_process, monkeypatch):
+def test_the_keys_are_handed_before_the_compile_workers_start(tmp_path, fresh_process, monkeypatch):
     from torch._inductor import async_compile
 
     from sgraph._src.runtime.workers import start_compile_workers
 
+    folder = tmp_path / "sgraph-source-keys"
+    folder.mkdir()
+    (folder / source_keys._fingerprint()).write_text(json.dumps({"torch": "ab" * 32, "triton": None}))
     seen = []
-    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: seen.append(source_keys._handed))
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: seen.append(codecache.torch_key()))
     assert start_compile_workers([torch.device("cuda", 0)])
-    assert seen == [True]
+    assert seen == [bytes.fromhex("ab" * 32)]
+
+
+def test_before_the_workers_start_a_miss_hashes_nothing_and_the_compile_writes_the_keys_down(
+    tmp_path, fresh_process, monkeypatch
+):
+    hashed = []
+    real = triton_compat.triton_key
+    monkeypatch.setattr(triton_compat, "triton_key", lambda: hashed.append(1) or real())
+    assert source_keys.remember_source_keys(compute=False) is False
+    assert hashed == [] and not (tmp_path / "sgraph-source-keys").exists()
+    assert source_keys.remember_source_keys() is False  # what Inductor's cache key calls first
+    (path,) = (tmp_path / "sgraph-source-keys").iterdir()
+    assert bytes.fromhex(json.loads(path.read_text())["torch"]) == codecache.torch_key()
+    assert hashed == ([1] if triton_compat.HAS_TRITON else [])

@@ -33,13 +33,20 @@ _FOLDER = "sgraph-source-keys"  # inside Inductor's cache directory
 _SUFFIXES = tuple(importlib.machinery.all_suffixes())
 _INITS = frozenset(f"__init__{suffix}" for suffix in _SUFFIXES)
 _TORCH_EXTRA = ("_inductor/codegen/aoti_runtime/interface.cpp", "_inductor/script.ld")  # torch_key reads them too
-_handed = False
+_looked = False  # this process has looked for remembered keys
+_missing: Path | None = None  # where to write them down, when none were found
 
 
-def remember_source_keys() -> bool:
-    """Hand Inductor the source keys remembered for this installation, or compute and
-    remember them; once per process, before anything of Inductor's asks for them
-    (starting its compile workers does). Whether remembered keys were handed over.
+def remember_source_keys(*, compute: bool = True) -> bool:
+    """Hand Inductor the source keys remembered for this installation; once per process,
+    before anything of Inductor's asks for them (starting its compile workers does).
+    Whether remembered keys were handed over.
+
+    Args:
+        compute: where none were remembered, compute both now and write them down
+            (Inductor is about to compute them anyway). Without it nothing is hashed
+            here: starting the compile workers computes torch's key itself, unhindered,
+            and the first call with ``compute`` writes both down.
 
     Returns:
         True if both keys came from the file (nothing was hashed); False where they
@@ -47,22 +54,25 @@ def remember_source_keys() -> bool:
         Inductor's caches are forced off (nothing is read or written then).
 
     Example:
-        >>> remember_source_keys()  # then maybe_warm_pool(), compile_fx_inner(...)
+        >>> remember_source_keys(compute=False)  # then maybe_warm_pool()
+        >>> remember_source_keys()  # before Inductor's cache key
     """
-    global _handed
-    if _handed:
-        return False
-    _handed = True
-    found = _inductor()
-    if found is None:
-        return False
-    cache_dir, hand = found
-    path = Path(cache_dir) / _FOLDER / _fingerprint()
-    remembered = _read(path)
-    if remembered is None:
+    global _looked, _missing
+    if not _looked:
+        _looked = True
+        found = _inductor()
+        if found is None:
+            return False
+        cache_dir, hand = found
+        path = Path(cache_dir) / _FOLDER / _fingerprint()
+        remembered = _read(path)
+        if remembered is not None:
+            return hand(remembered)
+        _missing = path
+    if compute and _missing is not None:
+        path, _missing = _missing, None
         _write(path, _computed())
-        return False
-    return hand(remembered)
+    return False
 
 
 def _inductor() -> tuple[str, Callable[[dict], bool]] | None:

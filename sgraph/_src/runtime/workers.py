@@ -32,7 +32,7 @@ def start_compile_workers(devices: Iterable[torch.device]) -> bool:
         from torch._inductor.async_compile import maybe_warm_pool
     except ImportError:  # a torch without Inductor's pool: it compiles as it always did
         return False
-    remember_source_keys()  # the pool's start hashes torch's sources unless handed the key
+    remember_source_keys(compute=False)  # the pool's start hashes torch's sources unless handed the key
     try:
         maybe_warm_pool()
     except Exception:  # noqa: BLE001 - only a head start: Inductor starts it (or reports why not) when it compiles
