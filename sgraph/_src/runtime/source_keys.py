@@ -8,7 +8,7 @@ the H200 machine 0.2 and 0.4 s of a warm first call, on the CPU 0.2 and 0.4 s as
 sgraph remembers the two keys in a small file next to its index, under a fingerprint of
 the installation: the path, size and modification time of every file the two hashes
 read (module files of torch's packages and two more; every file under Triton's folder),
-with both versions. That is the check Python itself makes before trusting a module's
+with torch's version. That is the check Python itself makes before trusting a module's
 cached bytecode. When the fingerprint has a file, its keys are handed to Inductor, which
 then does not hash; a file changed, added or removed changes the fingerprint and the
 keys are computed afresh, then remembered.
