@@ -32,7 +32,6 @@ import contextlib
 import functools
 import hashlib
 import inspect
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ import torch
 import torch.fx
 
 from ..program import placeholders, written_args
+from .cache_files import write_atomically
 from .source_keys import remember_source_keys
 
 __all__ = ["compile_direct"]
@@ -306,12 +306,5 @@ def _load(entry: dict[str, Any], key: str, examples: list[torch.Tensor], kwargs:
 
 
 def _store(entry: dict[str, Any], key: str, fx_key: str) -> None:
-    """Write the index entry atomically (another process may be reading it)."""
-    path = _index_path(entry, key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        partial.write_text(fx_key)
-        os.replace(partial, path)
-    except OSError:
-        return  # an unwritable cache only costs the next process a compile
+    """Write the index entry (an unwritable cache only costs the next process a compile)."""
+    write_atomically(_index_path(entry, key), fx_key)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from .cache_files import write_atomically
+
 __all__ = ["remember_source_keys"]
 
 _FOLDER = "sgraph-source-keys"  # inside Inductor's cache directory
@@ -71,7 +73,7 @@ def remember_source_keys(*, compute: bool = True) -> bool:
         _missing = path
     if compute and _missing is not None:
         path, _missing = _missing, None
-        _write(path, _computed())
+        write_atomically(path, json.dumps(_computed()))  # unwritable: the next process hashes
     return False
 
 
@@ -182,14 +184,3 @@ def _read(path: Path) -> dict | None:
     except ValueError:
         return None
     return keys if keys.get("triton") is None or isinstance(keys["triton"], str) else None
-
-
-def _write(path: Path, keys: dict) -> None:
-    """Write atomically (another process may be reading it)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        partial.write_text(json.dumps(keys))
-        os.replace(partial, path)
-    except OSError:
-        return  # an unwritable cache only costs the next process the hashing
