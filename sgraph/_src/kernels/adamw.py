@@ -20,6 +20,9 @@ common case: moments from ``init``, grads laid out like the params) are not copi
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import cast
+
 import torch
 import torch.fx
 from torch import Tensor
@@ -33,6 +36,7 @@ __all__ = [
     "adamw_",
     "decompositions",
     "fusable",
+    "leaves_updated",
     "update_leaves",
     "written_lists",
 ]
@@ -255,6 +259,12 @@ def decompositions(gm: torch.fx.GraphModule) -> dict:
 
 def update_leaves(gm: torch.fx.GraphModule) -> int:
     """The leaves of all of ``gm``'s AdamW updates (its subgraphs' included)."""
-    ops = (torch.ops.sgraph.adamw.default, torch.ops.sgraph.adamw_.default)
     graphs = [m.graph for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
-    return sum(len(node.args[0]) for graph in graphs for node in graph.nodes if node.target in ops)
+    return sum(leaves_updated(graph.nodes) for graph in graphs)
+
+
+def leaves_updated(nodes: Iterable[torch.fx.Node]) -> int:
+    """The leaves of the AdamW updates among ``nodes`` (what :func:`decompositions`
+    compares with ``GENERATED_LEAVES``, over a whole step)."""
+    ops = (torch.ops.sgraph.adamw.default, torch.ops.sgraph.adamw_.default)
+    return sum(len(cast("list", node.args[0])) for node in nodes if node.target in ops)

@@ -201,7 +201,7 @@ def memory_analysis(program: Program, *, generated: bool = False) -> MemoryAnaly
         kind = "output" if node in live_to_end else _kind(node, nodes, finish)
         buffers.append(_buffer(node, kind, start, finish))
     buffers += _inside_ops(nodes) + _library_workspaces(nodes)
-    buffers += _autotuning(nodes) + _update_clones(nodes, position) if generated else []
+    buffers += (_autotuning(nodes) + _update_clones(nodes, position)) if generated else []
     return _summary(program.name, nodes, buffers)
 
 
@@ -290,14 +290,12 @@ def _update_clones(nodes: list[torch.fx.Node], position: dict[torch.fx.Node, int
     (``sgraph::adamw_``) is lowered to write when ``sg.fuse`` generates it (see
     ``kernels/adamw.py``). Each leaf's update is a kernel of its own, timed alone with
     copies of the three tensors it writes, at the update (the first call only)."""
-    from ...kernels.adamw import GENERATED_LEAVES
+    from ...kernels.adamw import GENERATED_LEAVES, leaves_updated
 
-    adamw = (torch.ops.sgraph.adamw.default, torch.ops.sgraph.adamw_.default)
-    every = [n for n in nodes if n.op == "call_function" and n.target in adamw]
-    if sum(len(cast("list", n.args[0])) for n in every) > GENERATED_LEAVES:  # not generated: ATen's kernel
+    if leaves_updated(nodes) > GENERATED_LEAVES:  # not generated: ATen's multi-tensor kernel runs it
         return []
     found = []
-    for node in every:
+    for node in nodes:
         sizes = _written_per_leaf(node) if node.target is torch.ops.sgraph.adamw_.default else []
         if sizes:
             at = position[node]
