@@ -169,3 +169,34 @@ def test_through_compile_fx_too(monkeypatch, donate):
     fused = sg.static(sg.fuse(step), donate=donate)
     _check(fused, {"conv": channels_last}, {"conv": channels_last})
     assert fused.last_compiled.stats.inductor_entry == "compile_fx"
+
+
+def _bf16_step(params, state, x):  # type: ignore[no-untyped-def]
+    """A step whose grads come out in bf16 and are cast to fp32 for the update (as a
+    weight's under autocast): ``sum(bf16(p) * bf16(x))``."""
+    grads = sg.grad(lambda ps: sum((ps[k].bfloat16() * x[k].bfloat16()).float().sum() for k in sorted(ps)))(params)
+    updates, state = OPT.update(grads, state, params)
+    params = sg.optim.apply_updates(params, updates)
+    return params, state, {"norm": sum((p * p).sum() for p in params.values())}
+
+
+def _update_grad_dtypes(program) -> list[torch.dtype]:  # type: ignore[no-untyped-def]
+    ops = (torch.ops.sgraph.adamw.default, torch.ops.sgraph.adamw_.default)
+    return [g.meta["val"].dtype for n in program.graph.nodes if n.target in ops for g in n.args[1]]
+
+
+@pytest.mark.parametrize("leaves", [2, kernel.GENERATED_LEAVES + 1], ids=["generated", "op"])
+def test_bf16_grads_reach_the_update_without_their_fp32_copies(leaves):
+    g = torch.Generator().manual_seed(7)
+    params = {f"p{i:02d}": torch.randn(3, 4, generator=g) for i in range(leaves)}
+    xs = [{k: torch.randn(3, 4, generator=g) for k in params} for _ in range(3)]
+    fused = sg.static(sg.fuse(_bf16_step), donate=("params", "state"))
+    kept = sg.static(sg.fuse(kernels=())(_bf16_step), donate=("params", "state"))
+    state = OPT.init(params)
+    assert set(_update_grad_dtypes(fused.lower(params, state, xs[0]).program)) == {torch.bfloat16}
+    assert set(_update_grad_dtypes(kept.lower(params, state, xs[0]).program)) == {torch.float32}
+    want = _run(_bf16_step, {k: v.clone() for k, v in params.items()}, xs)
+    got = _run(fused, params, xs)
+    for k in params:
+        torch.testing.assert_close(got[0][k], want[0][k], rtol=1e-5, atol=1e-6, msg=k)
+        torch.testing.assert_close(got[1].nu[k], want[1].nu[k], rtol=1e-5, atol=1e-8, msg=k)

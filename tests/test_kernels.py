@@ -163,3 +163,58 @@ def test_linear_cross_entropy_holds_inside_what_the_memory_analysis_counts(dtype
     counted = sum(blocks(t.untyped_storage().nbytes()) for t in outputs)
     counted += sum(blocks(nbytes) for nbytes, _ in lce.scratch_bytes(x, w))
     assert counted <= peak <= counted + 2**20, (peak / 2**20, counted / 2**20)  # + per-row losses, scalars
+
+
+def adamw_leaves(device, grad_dtypes, seed=0):
+    """Leaves of odd sizes (a tail in each chunk, one chunk past 4096, a scalar) with
+    grads in the given dtypes, cycled."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(3,), (1000, 7), (5000,), (64, 65), (), (4096,)]
+    params = [torch.randn(s, generator=g).to(device) for s in shapes]
+    grads = [torch.randn(s, generator=g).to(device, grad_dtypes[i % len(grad_dtypes)]) for i, s in enumerate(shapes)]
+    mu = [(0.1 * torch.randn(s, generator=g)).to(device) for s in shapes]
+    nu = [(0.1 * torch.rand(s, generator=g)).to(device) for s in shapes]
+    return params, grads, mu, nu
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grad_dtypes", [(torch.bfloat16,), (torch.bfloat16, torch.float32), (torch.float16,)])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_adamw_lists_kernel_matches_atens_fused_adamw(device, grad_dtypes, weight_decay):
+    pytest.importorskip("triton")
+    from sgraph._src.kernels.adamw_lists import adamw_lists_
+
+    params, grads, mu, nu = adamw_leaves(device, grad_dtypes)
+    expected = [[t.clone() for t in ts] for ts in (params, mu, nu)]
+    step, lr = torch.tensor(3.0, device=device), torch.tensor(1e-2, device=device)
+    for _ in range(2):  # a second step over the first one's moments
+        torch._fused_adamw_(
+            *expected[:1], [g.float() for g in grads], *expected[1:], [], [step] * len(params),
+            lr=lr, beta1=0.9, beta2=0.999, weight_decay=weight_decay, eps=1e-8, amsgrad=False, maximize=False,
+        )  # fmt: skip
+        adamw_lists_(params, grads, mu, nu, step, lr, 0.9, 0.999, 1e-8, weight_decay)
+        step += 1
+    for actual, reference in zip((params, mu, nu), expected):
+        for a, e in zip(actual, reference):
+            torch.testing.assert_close(a, e, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_adamw_op_takes_low_precision_grads(device):
+    """``sgraph::adamw_`` with bf16 grads for fp32 params (what sg.fuse hands it): the
+    own kernel on a GPU, ATen's after a cast elsewhere; the same result as fp32 grads."""
+    from sgraph._src.kernels.adamw import adamw_
+
+    params, grads, mu, nu = adamw_leaves(device, (torch.bfloat16, torch.float32), seed=1)
+    # a transposed grad: paired into its param's layout first
+    params.append(torch.randn(6, 5, device=device))
+    grads.append(torch.randn(5, 6, device=device).to(torch.bfloat16).t())
+    mu.append(torch.zeros(6, 5, device=device))
+    nu.append(torch.zeros(6, 5, device=device))
+    expected = [[t.clone() for t in ts] for ts in (params, mu, nu)]
+    step, lr = torch.tensor(1.0, device=device), torch.tensor(1e-3, device=device)
+    adamw_(expected[0], [g.float() for g in grads], expected[1], expected[2], step, lr, 0.9, 0.99, 1e-8, 0.01)
+    adamw_(params, grads, mu, nu, step, lr, 0.9, 0.99, 1e-8, 0.01)
+    for actual, reference in zip((params, mu, nu), expected):
+        for a, e in zip(actual, reference):
+            torch.testing.assert_close(a, e, rtol=2e-6, atol=1e-7)

@@ -5,7 +5,10 @@ and moments and leaves its inputs alone, so a traced step stays functional.
 ``sgraph::adamw_`` updates params and moments in place; the reinplace pass swaps it
 in when those inputs are donated, so the whole update is one pass over memory.
 Both run ATen's fused AdamW kernel (``torch._fused_adamw_``), on CPU and CUDA; under
-``sg.fuse`` both are lowered by Inductor instead, through :func:`decompositions`.
+``sg.fuse`` both are lowered by Inductor instead, through :func:`decompositions`, or
+(more leaves) take low-precision gradients as they are: fp32 params with bf16 / fp16
+grads run sgraph's own multi-tensor Triton kernel on CUDA (:mod:`.adamw_lists`), and
+ATen's after casting the grads elsewhere.
 
 That kernel pairs the k-th element of each leaf's param, grad and moments by
 position in memory, which is the same element only when the four tensors have one
@@ -28,6 +31,7 @@ import torch.fx
 from torch import Tensor
 
 from ..errors import ArgumentError
+from . import adamw_lists
 
 __all__ = [
     "GENERATED_LEAVES",
@@ -124,6 +128,12 @@ def adamw_(
     is the update number t (1, 2, ...), ``lr`` a 0-dim tensor; both may change between
     calls without recompiling."""
     (p, g, m, v), written = _paired(params, grads, mu, nu)
+    if any(gi.dtype != pi.dtype for gi, pi in zip(g, p)):
+        if adamw_lists.runs_here(p, g, m, v):
+            adamw_lists.adamw_lists_(p, g, m, v, step, lr, b1, b2, eps, weight_decay)
+            _write_back(written)
+            return
+        g = [gi.to(pi.dtype) for gi, pi in zip(g, p)]  # ATen's kernel takes one dtype
     torch._fused_adamw_(
         p,
         g,
@@ -139,6 +149,10 @@ def adamw_(
         amsgrad=False,
         maximize=False,
     )
+    _write_back(written)
+
+
+def _write_back(written: list[tuple[Tensor, Tensor]]) -> None:
     if written:
         torch._foreach_copy_([t for t, _ in written], [c for _, c in written])
 

@@ -1,7 +1,8 @@
 """The one place that orders the passes.
 
 Whatever order the user stacks the decorators in, a step is lowered the same way:
-kernel fixes (replay), cleanup and algebraic folds, then communication (for a step
+kernel fixes (replay), cleanup and algebraic folds (and, under ``sg.fuse``, low-precision
+gradients handed to the AdamW update as they are), then communication (for a step
 over DTensors: collectives of one rank elided, parameters gathered again for the
 backward, small collectives bucketed, issues moved up and waits down to overlap
 compute), memory planning (optimizer updates scheduled as gradients finish where that
@@ -18,6 +19,7 @@ from ..options import Options
 from ..program import Program
 from .cleanup import cleanup
 from .donation import donation
+from .grad_casts import grad_casts
 from .memory.analysis import memory_analysis
 from .memory.plan import device_budget, plan_memory, warn_unmatched_pins
 from .memory.schedule import schedule
@@ -47,6 +49,8 @@ def lower(program: Program, options: Options) -> Program:
     # (Communication and memory passes still copy: memory planning compares graphs.)
     program = program.replace(graph_module=program.copy_graph_module())
     program = simplify(cleanup(replay(program, in_place=True), in_place=True), in_place=True)
+    if options.fuse is not None and "adamw" in options.fuse.kernels:
+        program = grad_casts(program, in_place=True)
     if collectives(program.graph):
         program = _communication(program, options)
     if options.memory is not None:

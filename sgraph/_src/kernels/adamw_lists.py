@@ -1,0 +1,143 @@
+"""AdamW over lists of fp32 leaves whose grads come in their own dtypes, in one Triton
+launch per grad dtype.
+
+Under bf16 autocast a weight's gradient leaves its matmul in bf16, and the step casts
+it to fp32 for the update, which ATen's fused AdamW takes only with all four tensors
+of one dtype: 6 bytes per parameter written and read again before the update reads
+4 more. Under ``sg.fuse`` (own kernel ``"adamw"``) the update takes the bf16 gradient
+itself (see :mod:`sgraph._src.passes.grad_casts`) and runs this kernel, which reads
+it as it is and casts in registers.
+
+The kernel walks a table of the leaves' places (in elements from the first leaf's
+tensors, which it takes as pointers) and sizes: each program updates
+one chunk of 4096 elements of one leaf, found by a binary search over the leaves'
+first chunks, so the whole update is one launch per grad dtype whatever the number of
+leaves. The table is copied to the device from pinned host memory, so the copy is
+recorded into a CUDA graph being captured and replayed with it (the table of a
+captured update is kept for the life of the process: a few kilobytes per capture).
+On CPU tensors the kernel runs in Triton's interpreter (tests, with
+``TRITON_INTERPRET=1`` set before Triton is imported).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .cross_entropy_rows import triton_available
+
+__all__ = ["adamw_lists_", "runs_here"]
+
+_BLOCK = 1024
+_ITERS = 4
+_CHUNK = _BLOCK * _ITERS
+_ALIGN = 16  # bytes: every address a multiple of this, for vector loads and stores
+_GRADS = (torch.float32, torch.bfloat16, torch.float16)
+_CAPTURED: list[tuple[Tensor, Tensor]] = []  # (pinned host, device) tables of captured updates
+
+
+def runs_here(params: list[Tensor], grads: list[Tensor], mu: list[Tensor], nu: list[Tensor]) -> bool:
+    """Whether :func:`adamw_lists_` takes these leaves (as paired, one dense layout per
+    leaf): CUDA tensors with Triton present, fp32 params and moments, fp32 / bf16 / fp16
+    grads, every address 16-byte aligned."""
+    if not params or params[0].device.type != "cuda" or not triton_available():
+        return False
+    if any(t.dtype != torch.float32 for t in (*params, *mu, *nu)) or any(g.dtype not in _GRADS for g in grads):
+        return False
+    return all(t.data_ptr() % _ALIGN == 0 for t in (*params, *grads, *mu, *nu))
+
+
+def adamw_lists_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    mu: list[Tensor],
+    nu: list[Tensor],
+    step: Tensor,
+    lr: Tensor,
+    b1: float,
+    b2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One AdamW update in place, as ATen's fused AdamW computes it, for leaves whose
+    four tensors share one dense layout (each grad in any of its dtypes), one launch per
+    grad dtype.
+
+    Example:
+        >>> adamw_lists_(params, bf16_grads, mu, nu, step, lr, 0.9, 0.999, 1e-8, 0.01)
+    """
+    device = params[0].device
+    kernel = _kernel(device.type != "cuda")
+    lr = lr.to(device, torch.float32)
+    step = step.to(device, torch.float32)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, g in enumerate(grads):
+        if g.numel():
+            by_dtype.setdefault(g.dtype, []).append(i)
+    for dtype, leaves in by_dtype.items():
+        sizes = [params[i].numel() for i in leaves]
+        firsts = [0]
+        for n in sizes:
+            firsts.append(firsts[-1] + -(-n // _CHUNK))
+        bases = [ts[leaves[0]] for ts in (params, grads, mu, nu)]
+        table = [
+            (ts[i].data_ptr() - base.data_ptr()) // base.element_size()
+            for ts, base in zip((params, grads, mu, nu), bases)
+            for i in leaves
+        ]
+        table += sizes + firsts
+        kernel[(firsts[-1],)](
+            *bases,
+            _on_device(table, device),
+            len(leaves),
+            lr,
+            step,
+            b1,
+            b2,
+            math.log2(b1) if b1 > 0 else -math.inf,
+            math.log2(b2) if b2 > 0 else -math.inf,
+            eps,
+            weight_decay,
+            GRAD=_triton_dtype(dtype),
+            GRAD_ALIGN=_ALIGN // bases[1].element_size(),
+            SEARCH=len(leaves).bit_length(),
+            BLOCK=_BLOCK,
+            ITERS=_ITERS,
+            num_warps=4,
+        )
+
+
+def _on_device(values: list[int], device: torch.device) -> Tensor:
+    """``values`` as an int64 tensor on ``device``, copied from pinned host memory (a copy
+    a CUDA graph being captured records; its tables are then kept, see the module)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host
+    host = host.pin_memory()
+    table = host.to(device, non_blocking=True)
+    if torch.cuda.is_current_stream_capturing():
+        _CAPTURED.append((host, table))
+    return table
+
+
+def _triton_dtype(dtype: torch.dtype) -> Any:
+    import triton.language as tl
+
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+@functools.cache
+def _kernel(interpret: bool) -> Any:
+    """The Triton kernel (Triton is imported only now)."""
+    if interpret and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "adamw_lists_ runs on CPU tensors only in Triton's interpreter: start the process with TRITON_INTERPRET=1."
+        )
+    from ._adamw_triton import adamw_lists
+
+    return adamw_lists
