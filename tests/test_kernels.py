@@ -181,6 +181,9 @@ def adamw_leaves(device, grad_dtypes, seed=0):
 @pytest.mark.parametrize("grad_dtypes", [(torch.bfloat16,), (torch.bfloat16, torch.float32), (torch.float16,)])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 def test_adamw_lists_kernel_matches_atens_fused_adamw(device, grad_dtypes, weight_decay):
+    # On the H200 a few elements differ from ATen's by up to 2.6e-7 (the two kernels
+    # round the same arithmetic differently, fused multiply-adds and powers): within 1e-6,
+    # against updates of about lr = 1e-2, by which a wrong update would be off.
     pytest.importorskip("triton")
     from sgraph._src.kernels.adamw_lists import adamw_lists_
 
@@ -196,7 +199,7 @@ def test_adamw_lists_kernel_matches_atens_fused_adamw(device, grad_dtypes, weigh
         step += 1
     for actual, reference in zip((params, mu, nu), expected):
         for a, e in zip(actual, reference):
-            torch.testing.assert_close(a, e, rtol=2e-6, atol=1e-7)
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -217,4 +220,4 @@ def test_the_adamw_op_takes_low_precision_grads(device):
     adamw_(params, grads, mu, nu, step, lr, 0.9, 0.99, 1e-8, 0.01)
     for actual, reference in zip((params, mu, nu), expected):
         for a, e in zip(actual, reference):
-            torch.testing.assert_close(a, e, rtol=2e-6, atol=1e-7)
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
