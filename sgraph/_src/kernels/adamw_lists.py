@@ -21,6 +21,7 @@ On CPU tensors the kernel runs in Triton's interpreter (tests, with
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -73,6 +74,24 @@ def adamw_lists_(
     """
     device = params[0].device
     kernel = _kernel(device.type != "cuda")
+    # Triton launches on the current device
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with on_device:
+        _launch(kernel, params, grads, mu, nu, step, lr, (b1, b2, eps, weight_decay))
+
+
+def _launch(
+    kernel: Any,
+    params: list[Tensor],
+    grads: list[Tensor],
+    mu: list[Tensor],
+    nu: list[Tensor],
+    step: Tensor,
+    lr: Tensor,
+    hyper: tuple[float, float, float, float],
+) -> None:
+    b1, b2, eps, weight_decay = hyper
+    device = params[0].device
     lr = lr.to(device, torch.float32)
     step = step.to(device, torch.float32)
     by_dtype: dict[torch.dtype, list[int]] = {}
