@@ -200,3 +200,23 @@ def test_bf16_grads_reach_the_update_without_their_fp32_copies(leaves):
     for k in params:
         torch.testing.assert_close(got[0][k], want[0][k], rtol=1e-5, atol=1e-6, msg=k)
         torch.testing.assert_close(got[1].nu[k], want[1].nu[k], rtol=1e-5, atol=1e-8, msg=k)
+
+
+@pytest.mark.parametrize("how", ["compile_fx", "plan_memory"])
+def test_bf16_grads_reach_the_update_through_compile_fx_and_under_a_memory_plan(monkeypatch, how):
+    import sgraph._src.runtime.inductor as runtime
+
+    g = torch.Generator().manual_seed(8)
+    params = {f"p{i:02d}": torch.randn(2, 3, generator=g) for i in range(kernel.GENERATED_LEAVES + 1)}
+    xs = [{k: torch.randn(2, 3, generator=g) for k in params} for _ in range(3)]
+    if how == "compile_fx":
+        monkeypatch.setattr(runtime, "compile_direct", lambda *args, **kwargs: None)
+        fused = sg.static(sg.fuse(_bf16_step), donate=("params", "state"))
+    else:
+        fused = sg.static(sg.plan_memory()(sg.fuse(_bf16_step)), donate=("params", "state"))
+    want = _run(_bf16_step, {k: v.clone() for k, v in params.items()}, xs)
+    got = _run(fused, params, xs)
+    assert torch.bfloat16 in _update_grad_dtypes(fused.last_compiled.program)
+    for k in params:
+        torch.testing.assert_close(got[0][k], want[0][k], rtol=1e-5, atol=1e-6, msg=k)
+        torch.testing.assert_close(got[1].mu[k], want[1].mu[k], rtol=1e-5, atol=1e-7, msg=k)

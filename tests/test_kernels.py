@@ -221,3 +221,39 @@ def test_the_adamw_op_takes_low_precision_grads(device):
     for actual, reference in zip((params, mu, nu), expected):
         for a, e in zip(actual, reference):
             torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(_INTERPRETER is not None, reason=str(_INTERPRETER))
+def test_the_adamw_op_runs_the_own_kernel_on_leaves_in_any_layouts(monkeypatch):
+    """The op's own-kernel path (a GPU's) run on CPU tensors in the interpreter: leaves
+    in other layouts than their params are paired first (a transposed bf16 grad, a
+    channels-last param, a strided view of a param, written back), grads of three dtypes
+    in three launches; the same as ATen's kernel over fp32 grads."""
+    from test_optim_layouts import channels_last, strided, transposed
+
+    from sgraph._src.kernels import adamw as op
+    from sgraph._src.kernels import adamw_lists
+
+    launches = []
+    monkeypatch.setattr(adamw_lists, "runs_here", lambda *leaves: True)
+    original = adamw_lists._launch
+    monkeypatch.setattr(adamw_lists, "_launch", lambda *a: launches.append(a) or original(*a))
+    g = torch.Generator().manual_seed(4)
+    shapes = [(4, 3, 2, 5), (6, 5), (7, 8), (9,)]
+    params = [channels_last(torch.randn(shapes[0], generator=g)), torch.randn(6, 5, generator=g)]
+    params += [strided(torch.randn(7, 8, generator=g)), torch.randn(9, generator=g)]
+    grads = [torch.randn(s, generator=g) for s in shapes]
+    grads = [transposed(grads[0]).bfloat16(), grads[1].half(), transposed(grads[2]).bfloat16(), grads[3]]
+    mu = [torch.randn(s, generator=g) for s in shapes]
+    nu = [torch.rand(s, generator=g) for s in shapes]
+    expected = [[t.clone() for t in ts] for ts in (params, mu, nu)]
+    step, lr = torch.tensor(2.0), torch.tensor(1e-2)
+    op.adamw_(*expected[:1], [gr.float() for gr in grads], *expected[1:], step, lr, 0.9, 0.99, 1e-8, 0.1)
+    assert not launches  # fp32 grads: ATen's kernel, each leaf paired as the op does
+    views = [p.stride() for p in params]
+    op.adamw_(params, grads, mu, nu, step, lr, 0.9, 0.99, 1e-8, 0.1)
+    assert len(launches) == 1  # one call, a launch per grad dtype inside
+    assert [p.stride() for p in params] == views
+    for actual, reference in zip((params, mu, nu), expected):
+        for a, e in zip(actual, reference):
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
