@@ -178,6 +178,9 @@ def test_the_update_reads_bf16_weight_grads_with_the_own_kernel_in_the_graph():
         losses.append(metrics["loss"])
         eager.append(eager_metrics["loss"])
     torch.testing.assert_close(torch.stack(losses), torch.stack(eager), rtol=1e-2, atol=0)
+    # the kernel's tables (one launch per grad dtype: bf16, fp32), copied into the graph
+    # from pinned memory, live with the graph: pinned and device copy of each
+    assert len(fused.last_compiled.executable.kept_alive) == 4
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fused(params, state, batches[0])
         torch.cuda.synchronize()

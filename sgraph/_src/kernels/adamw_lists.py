@@ -13,8 +13,8 @@ tensors, which it takes as pointers) and sizes: each program updates
 one chunk of 4096 elements of one leaf, found by a binary search over the leaves'
 first chunks, so the whole update is one launch per grad dtype whatever the number of
 leaves. The table is copied to the device from pinned host memory, so the copy is
-recorded into a CUDA graph being captured and replayed with it (the table of a
-captured update is kept for the life of the process: a few kilobytes per capture).
+recorded into a CUDA graph being captured and replayed with it (both copies of the
+table are then kept as long as the graph: :mod:`sgraph._src.runtime.keepalive`).
 On CPU tensors the kernel runs in Triton's interpreter (tests, with
 ``TRITON_INTERPRET=1`` set before Triton is imported).
 """
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..runtime.keepalive import keep_for_replays
 from .cross_entropy_rows import triton_available
 
 __all__ = ["adamw_lists_", "runs_here"]
@@ -39,7 +40,6 @@ _ITERS = 4
 _CHUNK = _BLOCK * _ITERS
 _ALIGN = 16  # bytes: every address a multiple of this, for vector loads and stores
 _GRADS = (torch.float32, torch.bfloat16, torch.float16)
-_CAPTURED: list[tuple[Tensor, Tensor]] = []  # (pinned host, device) tables of captured updates
 
 
 def runs_here(params: list[Tensor], grads: list[Tensor], mu: list[Tensor], nu: list[Tensor]) -> bool:
@@ -133,14 +133,14 @@ def _launch(
 
 def _on_device(values: list[int], device: torch.device) -> Tensor:
     """``values`` as an int64 tensor on ``device``, copied from pinned host memory (a copy
-    a CUDA graph being captured records; its tables are then kept, see the module)."""
+    a CUDA graph being captured records; both are then kept as long as the graph)."""
     host = torch.tensor(values, dtype=torch.int64)
     if device.type != "cuda":
         return host
     host = host.pin_memory()
     table = host.to(device, non_blocking=True)
     if torch.cuda.is_current_stream_capturing():
-        _CAPTURED.append((host, table))
+        keep_for_replays(host, table)
     return table
 
 

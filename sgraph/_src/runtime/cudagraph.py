@@ -36,6 +36,7 @@ from ..options import StaticOptions
 from ..program import Program, placeholders, returned
 from .eager import write_back
 from .graph_nodes import count_kernels, new_graph
+from .keepalive import kept_with
 
 __all__ = ["CudaGraphExecutable", "check_devices"]
 
@@ -66,6 +67,7 @@ class CudaGraphExecutable:
         count = sum(leaf.is_tensor for leaf in program.outputs)
         self.copied_outputs = [] if options.outputs == "view" else [i for i in range(count) if i not in kept]
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.kept_alive: list[Any] = []  # replaced with the graph at each capture
         self.uncaptured = False
         self.captures = 0
         self.kernel_launches: int | None = None
@@ -118,7 +120,7 @@ class CudaGraphExecutable:
         the warm-up that creates library handles and workspaces outside the capture),
         then capture the graph the later calls replay."""
         start = time.perf_counter()
-        self.graph = None
+        self.graph, self.kept_alive = None, []
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         peaks = _peaks()
@@ -173,15 +175,18 @@ class CudaGraphExecutable:
         graph, kept = new_graph()
         recorder = _NamingInterpreter(self.program)
         outputs: list[torch.Tensor] = []
-        if self.body is not None:
-            failure = _captured(graph, stream, lambda: outputs.extend(self.body(graph_inputs)))
-        else:
-            failure = _captured(graph, stream, lambda: outputs.extend(_record(recorder, graph_inputs, self.aliases)))
+        kept_alive: list[Any] = []  # what the graph reads that no tensor of it holds (keepalive.py)
+        with kept_with(kept_alive):
+            if self.body is not None:
+                failure = _captured(graph, stream, lambda: outputs.extend(self.body(graph_inputs)))
+            else:
+                body = lambda: outputs.extend(_record(recorder, graph_inputs, self.aliases))  # noqa: E731
+                failure = _captured(graph, stream, body)
         if failure is not None:
             raise recorder.capture_error(failure) from failure
         if kept:
             graph.instantiate()
-        self.graph, self.static_outputs = graph, outputs
+        self.graph, self.static_outputs, self.kept_alive = graph, outputs, kept_alive
         self.captures += 1
         self.kernel_launches = count_kernels(graph, kept)
 
