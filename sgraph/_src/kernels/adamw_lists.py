@@ -74,30 +74,14 @@ def adamw_lists_(
     """
     device = params[0].device
     kernel = _kernel(device.type != "cuda")
-    # Triton launches on the current device
-    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    with on_device:
-        _launch(kernel, params, grads, mu, nu, step, lr, (b1, b2, eps, weight_decay))
-
-
-def _launch(
-    kernel: Any,
-    params: list[Tensor],
-    grads: list[Tensor],
-    mu: list[Tensor],
-    nu: list[Tensor],
-    step: Tensor,
-    lr: Tensor,
-    hyper: tuple[float, float, float, float],
-) -> None:
-    b1, b2, eps, weight_decay = hyper
-    device = params[0].device
     lr = lr.to(device, torch.float32)
     step = step.to(device, torch.float32)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, g in enumerate(grads):
         if g.numel():
             by_dtype.setdefault(g.dtype, []).append(i)
+    # Triton launches on the current device
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     for dtype, leaves in by_dtype.items():
         sizes = [params[i].numel() for i in leaves]
         firsts = [0]
@@ -110,25 +94,26 @@ def _launch(
             for i in leaves
         ]
         table += sizes + firsts
-        kernel[(firsts[-1],)](
-            *bases,
-            _on_device(table, device),
-            len(leaves),
-            lr,
-            step,
-            b1,
-            b2,
-            math.log2(b1) if b1 > 0 else -math.inf,
-            math.log2(b2) if b2 > 0 else -math.inf,
-            eps,
-            weight_decay,
-            GRAD=_triton_dtype(dtype),
-            GRAD_ALIGN=_ALIGN // bases[1].element_size(),
-            SEARCH=len(leaves).bit_length(),
-            BLOCK=_BLOCK,
-            ITERS=_ITERS,
-            num_warps=4,
-        )
+        with on_device:
+            kernel[(firsts[-1],)](
+                *bases,
+                _on_device(table, device),
+                len(leaves),
+                lr,
+                step,
+                b1,
+                b2,
+                math.log2(b1) if b1 > 0 else -math.inf,
+                math.log2(b2) if b2 > 0 else -math.inf,
+                eps,
+                weight_decay,
+                GRAD=_triton_dtype(dtype),
+                GRAD_ALIGN=_ALIGN // bases[1].element_size(),
+                SEARCH=len(leaves).bit_length(),
+                BLOCK=_BLOCK,
+                ITERS=_ITERS,
+                num_warps=4,
+            )
 
 
 def _on_device(values: list[int], device: torch.device) -> Tensor:
