@@ -24,7 +24,7 @@ import contextlib
 import functools
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, NoReturn, cast
 
@@ -345,7 +345,7 @@ class SourceMode(TorchDispatchMode):
         arguments: it would be frozen into the graph as a constant, and never trained."""
         from torch._subclasses.fake_tensor import FakeTensor
 
-        for a in torch.utils._pytree.tree_leaves((args, kwargs)):
+        for a in _tensors((args, kwargs)):
             if type(a).__name__ == "DTensor":
                 continue  # a wrapper: its local shard is checked when DTensor runs the op on it
             if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) and a.requires_grad:
@@ -392,12 +392,20 @@ def draws_random_numbers(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
 
 def _has_symbolic_shape(out: Any) -> bool:
     """Whether an op's result has a size known only from tensor data (an unbacked SymInt)."""
-    return any(
-        isinstance(size, torch.SymInt)
-        for t in torch.utils._pytree.tree_leaves(out)
-        if isinstance(t, torch.Tensor)
-        for size in t.shape
-    )
+    return any(isinstance(size, torch.SymInt) for t in _tensors(out) for size in t.shape)
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in an op's arguments or results: nested lists, tuples and dicts (what
+    an op's schema holds; cheaper than a pytree flatten, which the trace pays per op)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
 
 
 @functools.cache
