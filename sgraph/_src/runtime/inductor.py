@@ -38,6 +38,7 @@ from .inductor_kernels import KernelMap, kernel_map
 from .inductor_placement import copies_in_place
 from .progress import progress
 from .regions import Outlined, outline_blocks
+from .vec_isa import remember_vec_isa
 
 __all__ = ["InductorExecutable", "inductor_config"]
 
@@ -125,6 +126,8 @@ def _compile(
     :func:`copies_in_place`)."""
     in_place = copies_in_place(gm) if planned else contextlib.nullcontext()
     with _COMPILE_LOCK, progress(f"{name}: generating kernels"), inductor_config(options), in_place, _short_op_text():
+        if not any(e.is_cuda for e in examples):
+            remember_vec_isa()  # C++: the instruction sets' checks, remembered per installation
         try:
             return _lowered(gm, examples)
         except Exception as error:
