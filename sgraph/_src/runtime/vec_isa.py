@@ -2,7 +2,7 @@
 
 Before its first C++ compile in a process, Inductor checks each instruction set the
 CPU reports (AVX-512 with VNNI, AVX-512, AVX2) by building a small library with it
-and loading that in a fresh Python subprocess: 1.3 to 2 s of every process's first
+and loading that in a fresh Python subprocess: about 1.4 s of every process's first
 compile on the CI machine, cache hit or not. The answer depends only on the machine,
 the C++ compiler and torch, so sgraph remembers it per installation, in
 ``<Inductor cache>/sgraph-vec-isa/<fingerprint>``, and hands it over before a CPU step's
