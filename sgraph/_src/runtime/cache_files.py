@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
-__all__ = ["write_atomically"]
+__all__ = ["file_stats", "read_json", "write_atomically"]
 
 
 def write_atomically(path: Path, text: str) -> bool:
@@ -25,3 +28,24 @@ def write_atomically(path: Path, text: str) -> bool:
     except OSError:
         return False
     return True
+
+
+def read_json(path: Path) -> Any:
+    """The JSON value in ``path``; None if it is missing, unreadable or not JSON."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def file_stats(paths: Iterable[str]) -> list[str]:
+    """One line per existing file: its path, size and modification time (what Python
+    checks before it trusts a module's cached bytecode), for a fingerprint."""
+    lines = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        lines.append(f"{path}\0{st.st_size}\0{st.st_mtime_ns}")
+    return lines

@@ -22,12 +22,12 @@ import importlib.machinery
 import importlib.util
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from .cache_files import write_atomically
+from .cache_files import file_stats, read_json, write_atomically
 
 __all__ = ["remember_source_keys"]
 
@@ -122,7 +122,7 @@ def _fingerprint() -> str:
     hasher = hashlib.sha256(f"torch {torch.__version__}\n".encode())
     torch_root = os.path.dirname(torch.__file__)
     listed = _listing(torch_root, packages_only=True)
-    listed += _stats(os.path.join(torch_root, extra) for extra in _TORCH_EXTRA)
+    listed += file_stats(os.path.join(torch_root, extra) for extra in _TORCH_EXTRA)
     try:
         spec = importlib.util.find_spec("triton")
     except (ImportError, ValueError):  # a triton module without a spec: none installed as a package
@@ -157,26 +157,12 @@ def _listing(root: str, *, packages_only: bool) -> list[str]:
             if e.is_dir():
                 folders.append(e.path)
             elif not packages_only or e.name.endswith(_SUFFIXES):
-                lines += _stats([e.path])
-    return lines
-
-
-def _stats(paths: Iterable[str]) -> list[str]:
-    lines = []
-    for path in paths:
-        try:
-            st = os.stat(path)
-        except OSError:
-            continue
-        lines.append(f"{path}\0{st.st_size}\0{st.st_mtime_ns}")
+                lines += file_stats([e.path])
     return lines
 
 
 def _read(path: Path) -> dict | None:
-    try:
-        keys = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    keys = read_json(path)
     if not isinstance(keys, dict) or not isinstance(keys.get("torch"), str):
         return None
     try:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import platform
 import shutil
 import sys
@@ -30,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .cache_files import write_atomically
+from .cache_files import file_stats, read_json, write_atomically
 
 __all__ = ["remember_vec_isa"]
 
@@ -63,10 +62,7 @@ def remember_vec_isa() -> None:
         _hand_over(isa, checked, known)
         return
     valid = {str(i) for i in isa.valid_vec_isa_list()}  # Inductor checks, as it would have
-    try:
-        write_atomically(path, json.dumps({str(i): str(i) in valid for i in checked}))
-    except OSError:
-        pass  # an unwritable cache only costs the next process the checks
+    write_atomically(path, json.dumps({str(i): str(i) in valid for i in checked}))  # unwritable: checked again
 
 
 def _hand_over(isa: Any, checked: list[Any], known: dict[str, bool]) -> None:
@@ -86,22 +82,11 @@ def _fingerprint(flags: list[str]) -> str:
 
     lib = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
     compiler = shutil.which(get_cpp_compiler()) or get_cpp_compiler()
-    parts = [torch.__version__, *flags, *(_stat(p) for p in (str(lib), sys.executable, compiler))]
+    parts = [torch.__version__, *flags, *file_stats([str(lib), sys.executable, compiler])]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def _stat(path: str) -> str:
-    try:
-        found = os.stat(path)
-    except OSError:
-        return f"{path} missing"
-    return f"{path} {found.st_size} {found.st_mtime_ns}"
-
-
 def _read(path: Path) -> dict[str, bool] | None:
-    try:
-        found = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    found = read_json(path)
     ok = isinstance(found, dict) and all(isinstance(v, bool) for v in found.values())
     return found if ok else None
