@@ -24,14 +24,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..runtime.keepalive import keep_for_replays
-from .cross_entropy_rows import triton_available
+from .triton_support import require_interpreter, triton_available
 
 __all__ = ["adamw_lists_", "runs_here"]
 
@@ -138,10 +137,8 @@ def _triton_dtype(dtype: torch.dtype) -> Any:
 @functools.cache
 def _kernel(interpret: bool) -> Any:
     """The Triton kernel (Triton is imported only now)."""
-    if interpret and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            "adamw_lists_ runs on CPU tensors only in Triton's interpreter: start the process with TRITON_INTERPRET=1."
-        )
+    if interpret:
+        require_interpreter("adamw_lists_")
     from ._adamw_triton import adamw_lists
 
     return adamw_lists

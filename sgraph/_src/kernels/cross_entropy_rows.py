@@ -21,24 +21,16 @@ with ``TRITON_INTERPRET=1`` set before Triton is imported);
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["cross_entropy_rows_", "cross_entropy_rows_reference", "triton_available"]
+from .triton_support import require_interpreter
+
+__all__ = ["cross_entropy_rows_", "cross_entropy_rows_reference"]
 
 _BLOCK = 4096
-
-
-@functools.cache
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def cross_entropy_rows_(z: Tensor, target: Tensor, scale: Tensor, ignore_index: int, smoothing: float) -> Tensor:
@@ -84,11 +76,8 @@ def cross_entropy_rows_reference(
 @functools.cache
 def _kernel(interpret: bool) -> Any:
     """The Triton kernel (Triton is imported only now)."""
-    if interpret and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            "cross_entropy_rows_ runs on CPU tensors only in Triton's interpreter: start the "
-            "process with TRITON_INTERPRET=1 (or use cross_entropy_rows_reference)."
-        )
+    if interpret:
+        require_interpreter("cross_entropy_rows_", " (or use cross_entropy_rows_reference)")
     from ._cross_entropy_triton import cross_entropy_rows
 
     return cross_entropy_rows

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .cross_entropy_rows import cross_entropy_rows_, cross_entropy_rows_reference, triton_available
+from .cross_entropy_rows import cross_entropy_rows_, cross_entropy_rows_reference
+from .triton_support import triton_available
 
 __all__ = ["linear_cross_entropy", "chunk_rows", "scratch_bytes"]
 
