@@ -182,6 +182,10 @@ VARIANTS: dict[str, tuple[str, Callable[[str], Callable[[], None]]]] = {
         "sg.static + sg.fuse(reuse_blocks=False) (every block compiled inline)",
         lambda w: variant_sg_static(w, fuse=True, fuse_options={"reuse_blocks": False}),
     ),
+    "sg-fuse-aten-adamw": (
+        'sg.static + sg.fuse(kernels=("linear_cross_entropy",)) (AdamW on ATen\'s kernel over fp32 grad copies)',
+        lambda w: variant_sg_static(w, fuse=True, fuse_options={"kernels": ("linear_cross_entropy",)}),
+    ),
     "sg-fuse-autotune": (
         "sg.static + sg.fuse(autotune=True) (Triton matmul templates with fused epilogues, tuned block sizes)",
         lambda w: variant_sg_static(w, fuse=True, fuse_options={"autotune": True}),
