@@ -23,6 +23,7 @@ sgraph's call path (flattening, signature and alias checks, output pytree).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -129,8 +130,14 @@ def variant_handmade_graph(workload: str, compiled: bool, fused: bool) -> Callab
 
 
 def variant_sg_static(
-    workload: str, fuse: bool = False, plan: dict | None = None, fuse_options: dict | None = None
+    workload: str,
+    fuse: bool = False,
+    plan: dict | None = None,
+    fuse_options: dict | None = None,
+    inductor: dict | None = None,
 ) -> Callable[[], None]:
+    """``sg.static`` of the step (with ``sg.fuse`` and ``sg.plan_memory`` as asked); ``inductor``:
+    Inductor settings patched on top of sgraph's for the first call, which compiles."""
     model, batch, loss = build(workload)
     apply, params, buffers = sg.functional(model)
     opt = sg.optim.adamw(LR, weight_decay=WEIGHT_DECAY)
@@ -151,11 +158,33 @@ def variant_sg_static(
     body = sg.plan_memory(**plan)(body) if plan is not None else body
     train_step = sg.static(body, donate=("params", "opt_state"))
 
+    settings = [inductor_settings(inductor or {})]
+
     def run() -> None:
-        state["params"], state["opt"], _ = train_step(state["params"], state["opt"], batch)
+        with settings.pop() if settings else contextlib.nullcontext():
+            state["params"], state["opt"], _ = train_step(state["params"], state["opt"], batch)
 
     run.step = train_step  # type: ignore[attr-defined]
     return run
+
+
+def inductor_settings(patches: dict) -> contextlib.AbstractContextManager:
+    """``torch._inductor.config.patch`` of the settings this torch has (sgraph's own
+    scoped settings go on top of them; the others reach Inductor as patched here)."""
+    from torch._inductor import config
+
+    def known(name: str) -> bool:
+        node: object = config
+        for part in name.split("."):
+            if not hasattr(node, part):
+                return False
+            node = getattr(node, part)
+        return True
+
+    missing = [name for name in patches if not known(name)]
+    if missing:
+        print(f"(this torch has no Inductor setting {', '.join(missing)}: left out)", flush=True)
+    return config.patch({k: v for k, v in patches.items() if k not in missing})
 
 
 VARIANTS: dict[str, tuple[str, Callable[[str], Callable[[], None]]]] = {
@@ -189,6 +218,24 @@ VARIANTS: dict[str, tuple[str, Callable[[str], Callable[[], None]]]] = {
     "sg-fuse-autotune": (
         "sg.static + sg.fuse(autotune=True) (Triton matmul templates with fused epilogues, tuned block sizes)",
         lambda w: variant_sg_static(w, fuse=True, fuse_options={"autotune": True}),
+    ),
+    "sg-fuse-pdl": (
+        "sg.static + sg.fuse, Inductor's programmatic dependent launch on (triton.enable_pdl)",
+        lambda w: variant_sg_static(w, fuse=True, inductor={"triton.enable_pdl": True}),
+    ),
+    "sg-fuse-no-ce": (
+        'sg.static + sg.fuse(kernels=("adamw",)) (the loss as generated code: full logits, no own cross-entropy)',
+        lambda w: variant_sg_static(w, fuse=True, fuse_options={"kernels": ("adamw",)}),
+    ),
+    "sg-fuse-pointwise-once": (
+        "sg.static + sg.fuse, one configuration per pointwise kernel (triton.autotune_pointwise off)",
+        lambda w: variant_sg_static(w, fuse=True, inductor={"triton.autotune_pointwise": False}),
+    ),
+    "sg-fuse-autotune-tma": (
+        "sg.static + sg.fuse(autotune=True), Inductor's persistent TMA matmul templates on (Hopper)",
+        lambda w: variant_sg_static(
+            w, fuse=True, fuse_options={"autotune": True}, inductor={"triton.enable_persistent_tma_matmul": True}
+        ),
     ),
     "sg-plan": ("sg.static + sg.plan_memory() (eager kernels)", lambda w: variant_sg_static(w, plan={})),
     "sg-fuse-plan": (
