@@ -257,3 +257,60 @@ def test_the_adamw_op_runs_the_own_kernel_on_leaves_in_any_layouts(monkeypatch):
     for actual, reference in zip((params, mu, nu), expected):
         for a, e in zip(actual, reference):
             torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+# Its loops run to bounds fixed at compile time, which every interpreter runs.
+GELU_DEVICES = [
+    pytest.param(
+        "cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+    ),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("device", GELU_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+@pytest.mark.parametrize("shape", [(64, 1024), (3, 5), (1000, 130), (4096, 256)])
+def test_gelu_bias_grad_kernel_matches_aten(device, dtype, approximate, shape):
+    """One group of rows (a small batch: the bias gradient written by the one launch) and
+    several (partial sums added by a second kernel), odd sizes: the gradient as ATen's
+    ``gelu_backward`` (fp32 within 2e-6 of the largest element: the interpreter's tanh
+    is not libdevice's, nor its erf; low precision within one rounding), the bias
+    gradient as the exact sum of the rounded values the kernel wrote, rounded once (the
+    interpreter truncates to bf16 where the GPU rounds to nearest: one unit in the last
+    place allowed; a low-precision accumulation over these rows would be far off)."""
+    pytest.importorskip("triton")
+    from sgraph._src.kernels import gelu_bias_grad as gbg
+
+    g = torch.Generator().manual_seed(shape[0])
+    dy = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    x = (3 * torch.randn(shape, generator=g)).to(device=device, dtype=dtype)
+    grad, bias = gbg.gelu_bias_grad_triton(dy, x, approximate)
+    expected = torch.ops.aten.gelu_backward(dy, x, approximate=approximate)
+    assert grad.dtype == bias.dtype == dtype and grad.shape == dy.shape and bias.shape == (shape[1],)
+    for actual, reference in ((grad, expected), (bias, expected.sum(0))):
+        if dtype == torch.float32:
+            torch.testing.assert_close(actual, reference, rtol=1e-5, atol=2e-6 * reference.abs().max().item())
+        else:
+            close(actual, reference, dtype)
+    exact = grad.double().sum(0)
+    ulp = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[dtype]
+    bound = ulp * exact.abs() + 1e-6 * grad.double().abs().sum(0) + 1e-30
+    assert ((bias.double() - exact).abs() <= bound).all()
+    assert (gbg.plan(*shape)[2] > 1) == (shape[0] > 256)
+
+
+def test_gelu_bias_grad_op_outside_the_kernel_runs_aten():
+    """CPU tensors (outside the interpreter, a CPU's path) and layouts the kernel does not
+    take run ATen's ops; scratch is counted for several groups of rows only."""
+    from sgraph._src.kernels import gelu_bias_grad as gbg
+
+    dy, x = torch.randn(40, 6).t(), torch.randn(6, 40)
+    grad, bias = torch.ops.sgraph.gelu_bias_grad(dy, x, "tanh")
+    expected = torch.ops.aten.gelu_backward(dy, x, approximate="tanh")
+    torch.testing.assert_close(grad, expected)
+    torch.testing.assert_close(bias, expected.sum(0))
+    assert not gbg.runs_triton(dy, x)
+    assert gbg.scratch_bytes(torch.empty(64, 1024)) == []
+    assert gbg.scratch_bytes(torch.empty(16384, 4096)) == [(32 * 4096 * 4, "partial bias-gradient sums")]
