@@ -314,3 +314,41 @@ def test_gelu_bias_grad_op_outside_the_kernel_runs_aten():
     assert not gbg.runs_triton(dy, x)
     assert gbg.scratch_bytes(torch.empty(64, 1024)) == []
     assert gbg.scratch_bytes(torch.empty(16384, 4096)) == [(32 * 4096 * 4, "partial bias-gradient sums")]
+
+
+_HOPPER_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from sgraph._src.kernels import _gelu_bias_grad_triton as k
+
+names = ("dy_ptr", "x_ptr", "dx_ptr", "sums_ptr", "n_rows", "n_cols")
+flags = ("TANH", "LIBDEVICE", "ROWS", "BLOCK_M", "BLOCK_N")
+for tanh in (True, False):
+    for dtype in ("*bf16", "*fp16", "*fp32"):
+        signature = dict(zip(names, (dtype, dtype, dtype, "*fp32", "i32", "i32")), **dict.fromkeys(flags, "constexpr"))
+        constants = dict(zip(flags, (tanh, True, 512, 32, 128)))
+        triton.compile(ASTSource(k.gelu_bias_grad, signature, constants), target=GPUTarget("cuda", 90, 32))
+signature = {"partial_ptr": "*fp32", "out_ptr": "*bf16", "n_groups": "i32", "n_cols": "i32"}
+signature.update(dict.fromkeys(("GROUPS", "BLOCK_G", "BLOCK_N"), "constexpr"))
+constants = {"GROUPS": 64, "BLOCK_G": 32, "BLOCK_N": 64}
+triton.compile(ASTSource(k.column_sums, signature, constants), target=GPUTarget("cuda", 90, 32))
+print("compiled")
+"""
+
+
+def test_gelu_bias_grad_kernels_compile_for_hopper_without_a_gpu():
+    """The kernels the GPU runs (libdevice's tanh, not the interpreter's) go through
+    Triton's whole compiler to a Hopper binary, with no GPU: in a process without the
+    interpreter, which would hand Triton plain Python functions."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    triton = pytest.importorskip("triton")
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("this Triton has no NVIDIA backend to compile with")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _HOPPER_COMPILE], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

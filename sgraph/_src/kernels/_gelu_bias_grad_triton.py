@@ -11,14 +11,16 @@ from triton.language.extra import libdevice
 @triton.jit
 def _tanh(z, LIBDEVICE: tl.constexpr):
     if LIBDEVICE:
-        return libdevice.tanh(z)
-    # Triton's interpreter has no libdevice: the same function from its series near 0
-    # and from exp elsewhere (each within a few fp32 roundings there)
-    a = tl.abs(z)
-    z2 = z * z
-    series = z * (1.0 + z2 * (-1.0 / 3 + z2 * (2.0 / 15 + z2 * (-17.0 / 315 + z2 * (62.0 / 2835)))))
-    far = 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(a, 10.0)) + 1.0)  # +-1 in fp32 beyond |z| = 10
-    return tl.where(a < 0.3, series, tl.where(z < 0, -far, far))
+        t = libdevice.tanh(z)
+    else:
+        # Triton's interpreter has no libdevice: the same function from its series near 0
+        # and from exp elsewhere (each within a few fp32 roundings there)
+        a = tl.abs(z)
+        z2 = z * z
+        series = z * (1.0 + z2 * (-1.0 / 3 + z2 * (2.0 / 15 + z2 * (-17.0 / 315 + z2 * (62.0 / 2835)))))
+        far = 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(a, 10.0)) + 1.0)  # +-1 in fp32 beyond |z| = 10
+        t = tl.where(a < 0.3, series, tl.where(z < 0, -far, far))
+    return t
 
 
 @triton.jit
@@ -33,11 +35,12 @@ def _gelu_backward(dy, x, TANH: tl.constexpr, LIBDEVICE: tl.constexpr):
         left = 0.5 * x
         right = 1.0 + t
         right_derivative = left * (1.0 - t * t) * (beta * (1.0 + 3.0 * kappa * x_sq))
-        return dy * (0.5 * right + right_derivative)
+        g = dy * (0.5 * right + right_derivative)
     else:
         cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
         pdf = 0.3989422804014327 * tl.exp(-0.5 * x * x)
-        return dy * (cdf + x * pdf)
+        g = dy * (cdf + x * pdf)
+    return g
 
 
 @triton.jit
