@@ -12,6 +12,7 @@ import json
 import socket
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,22 @@ def spawn_checks(
             is the ``context`` every check gets (a mesh, group names, the world size).
         seconds: how long the processes may take before they are killed and the test fails.
     """
+    try:
+        return _spawn(checks, world, out_dir, setup, seconds)
+    except mp.ProcessExitedException as error:
+        if error.signal_name is None:
+            raise
+        # A rank killed by a signal inside torch's native code (seen once in five runs of
+        # the suite on the 2-core CI machine: "double free or corruption" in a 4-rank gloo
+        # run, which passed alone): the ranks run once more; a crash that repeats fails.
+        note = f"gloo rank {error.error_index} died of {error.signal_name}; running the ranks once more"
+        warnings.warn(note, stacklevel=2)
+        return _spawn(checks, world, out_dir, setup, seconds)
+
+
+def _spawn(
+    checks: Checks, world: int, out_dir: Path, setup: Callable[[int, int], Any], seconds: float
+) -> list[dict[str, str]]:
     args = (world, free_port(), str(out_dir), checks, setup)
     context = mp.spawn(_worker, args=args, nprocs=world, join=False)
     deadline = time.monotonic() + seconds
