@@ -173,15 +173,9 @@ def inductor_settings(patches: dict) -> contextlib.AbstractContextManager:
     scoped settings go on top of them; the others reach Inductor as patched here)."""
     from torch._inductor import config
 
-    def known(name: str) -> bool:
-        node: object = config
-        for part in name.split("."):
-            if not hasattr(node, part):
-                return False
-            node = getattr(node, part)
-        return True
+    from sgraph._src.runtime.inductor import _has_option
 
-    missing = [name for name in patches if not known(name)]
+    missing = [name for name in patches if not _has_option(config, name)]
     if missing:
         print(f"(this torch has no Inductor setting {', '.join(missing)}: left out)", flush=True)
     return config.patch({k: v for k, v in patches.items() if k not in missing})

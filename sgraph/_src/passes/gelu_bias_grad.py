@@ -74,8 +74,9 @@ def _rewrite(graph: torch.fx.Graph, gelu: Node) -> bool:
     with graph.inserting_before(gelu):
         flat = [_node(graph, aten.view.default, (n, [rows, cols]), gelu) for n in gelu.args[:2]]
         op = _node(graph, torch.ops.sgraph.gelu_bias_grad.default, (*flat, approximate), gelu)
-        grad = _node(graph, aten.view.default, (_item(graph, op, 0, gelu), list(val.shape)), gelu)
-        bias = _node(graph, aten.view.default, (_item(graph, op, 1, gelu), list(total.meta["val"].shape)), gelu)
+        grad, bias = (_node(graph, operator.getitem, (op, i), gelu) for i in (0, 1))
+        grad = _node(graph, aten.view.default, (grad, list(val.shape)), gelu)
+        bias = _node(graph, aten.view.default, (bias, list(total.meta["val"].shape)), gelu)
     gelu.replace_all_uses_with(grad)
     total.replace_all_uses_with(bias)
     return True
@@ -103,8 +104,7 @@ def _plain(val: Any) -> bool:
 def _bias_sum(gelu: Node, val: torch.Tensor) -> Node | None:
     """The sum over all but the last dimension of ``gelu``'s result (or over the rows of
     a 2-D view of it), in its dtype; None if there is none."""
-    rows = val.numel() // val.shape[-1]
-    for reader, ndim in _column_reads(gelu, val, rows):
+    for reader, ndim in _column_reads(gelu, val):
         if reader.target is aten.sum.dim_IntList and not reader.kwargs.get("dtype"):
             reduced = reader.args[1] if len(reader.args) > 1 else reader.kwargs.get("dim")
             if isinstance(reduced, (list, tuple)) and sorted(d % ndim for d in reduced) == list(range(ndim - 1)):
@@ -112,13 +112,14 @@ def _bias_sum(gelu: Node, val: torch.Tensor) -> Node | None:
     return None
 
 
-def _column_reads(gelu: Node, val: torch.Tensor, rows: int) -> list[tuple[Node, int]]:
+def _column_reads(gelu: Node, val: torch.Tensor) -> list[tuple[Node, int]]:
     """Readers of ``gelu``'s result, directly or through a 2-D ``[rows, columns]`` view,
     with the number of dimensions of the tensor each reads."""
+    flat = (val.numel() // val.shape[-1], val.shape[-1])
     found = [(reader, val.dim()) for reader in gelu.users]
     for view in gelu.users:
         shape = getattr(view.meta.get("val"), "shape", None)
-        if view.target in _VIEWS and shape is not None and tuple(shape) == (rows, val.shape[-1]):
+        if view.target in _VIEWS and shape is not None and tuple(shape) == flat:
             found += [(reader, 2) for reader in view.users]
     return found
 
@@ -127,13 +128,6 @@ def _node(graph: torch.fx.Graph, target: Any, args: tuple, like: Node) -> Node:
     node = graph.call_function(target, args)
     node.meta.update({k: like.meta[k] for k in _CARRIED if k in like.meta})
     node.meta["val"] = _fake(target, args, like)
-    return node
-
-
-def _item(graph: torch.fx.Graph, op: Node, index: int, like: Node) -> Node:
-    node = graph.call_function(operator.getitem, (op, index))
-    node.meta.update({k: like.meta[k] for k in _CARRIED if k in like.meta})
-    node.meta["val"] = op.meta["val"][index]
     return node
 
 
