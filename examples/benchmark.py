@@ -213,10 +213,6 @@ VARIANTS: dict[str, tuple[str, Callable[[str], Callable[[], None]]]] = {
         "sg.static + sg.fuse(autotune=True) (Triton matmul templates with fused epilogues, tuned block sizes)",
         lambda w: variant_sg_static(w, fuse=True, fuse_options={"autotune": True}),
     ),
-    "sg-fuse-no-gelu-bias": (
-        'sg.static + sg.fuse(kernels=("linear_cross_entropy", "adamw")) (GELU gradient and bias sum as generated code)',
-        lambda w: variant_sg_static(w, fuse=True, fuse_options={"kernels": ("linear_cross_entropy", "adamw")}),
-    ),
     "sg-fuse-pdl": (
         "sg.static + sg.fuse, Inductor's programmatic dependent launch on (triton.enable_pdl)",
         lambda w: variant_sg_static(w, fuse=True, inductor={"triton.enable_pdl": True}),

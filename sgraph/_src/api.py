@@ -437,11 +437,9 @@ def fuse(
         kernels: the own kernels to use where their pattern appears: ``"all"``,
             a name, a tuple of names, or ``()`` for none. Known:
             ``"linear_cross_entropy"`` (``F.cross_entropy(x @ W.T, y)`` computed in
-            row chunks, never materializing the full logits), ``"adamw"`` (the
+            row chunks, never materializing the full logits) and ``"adamw"`` (the
             AdamW update reads bf16 / fp16 gradients as they are, without their fp32
-            copies, in one multi-tensor launch per gradient dtype) and
-            ``"gelu_bias_grad"`` (on a GPU, the gradient through a GELU and the bias
-            gradient summed from it in one pass over memory).
+            copies, in one multi-tensor launch per gradient dtype).
         reuse_blocks: compile a repeated block (the copies of an entry of an
             ``nn.ModuleList`` or ``nn.Sequential``: a transformer's layers) once,
             forward and backward, and call that code for each copy, instead of

@@ -15,8 +15,4 @@ def scratch_bytes(op: str, args: list[Any]) -> list[tuple[int, str]]:
         from .linear_cross_entropy import scratch_bytes as linear_cross_entropy_scratch
 
         return linear_cross_entropy_scratch(args[0], args[1])
-    if op == "sgraph::gelu_bias_grad":
-        from .gelu_bias_grad import scratch_bytes as gelu_bias_grad_scratch
-
-        return gelu_bias_grad_scratch(args[0])
     return []

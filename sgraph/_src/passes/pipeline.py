@@ -19,7 +19,6 @@ from ..options import Options
 from ..program import Program
 from .cleanup import cleanup
 from .donation import donation
-from .gelu_bias_grad import gelu_bias_grad
 from .grad_casts import grad_casts
 from .memory.analysis import memory_analysis
 from .memory.plan import device_budget, plan_memory, warn_unmatched_pins
@@ -50,8 +49,6 @@ def lower(program: Program, options: Options) -> Program:
     # (Communication and memory passes still copy: memory planning compares graphs.)
     program = program.replace(graph_module=program.copy_graph_module())
     program = simplify(cleanup(replay(program, in_place=True), in_place=True), in_place=True)
-    if options.fuse is not None and "gelu_bias_grad" in options.fuse.kernels:
-        program = gelu_bias_grad(program, in_place=True)
     if options.fuse is not None and "adamw" in options.fuse.kernels:
         program = grad_casts(program, in_place=True)
     if collectives(program.graph):
