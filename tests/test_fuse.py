@@ -108,6 +108,39 @@ def test_fused_step_matches_eager_over_several_steps(run):
 def test_donated_params_are_written_in_place_by_the_generated_code(run):
     assert all(ids == run["ids"][0] for ids in run["ids"])
     assert [id(v) for v in run["state"][0].values()] == run["ids"][0]
+    assert run["fused"].last_compiled.executable._late == set()  # no write waits for a copy after the call
+
+
+# Donated inputs that take each other's old values (through a clone or a view, which
+# Inductor drops as a no-op), or an old value returned beside a new one.
+EXCHANGES = {
+    "b takes a.clone()": lambda a, b: (b.sin(), a.clone()),
+    "b takes a[:]": lambda a, b: (b.sin(), a[:]),
+    "b takes a.view": lambda a, b: (b + 1, a.view(2, 3).view(6)),
+    "b takes a.t() (1-D)": lambda a, b: (b + 0, a.t()),
+    "b takes a.reshape": lambda a, b: (b * 2, a.reshape(6), b + 1),
+    "a and b swap": lambda a, b: (b * 1, a * 1),
+    "b takes a flipped": lambda a, b: (b.flip(0) * 2, a.flip(0) * 2),
+    "new a, old a beside it": lambda a, b: (a * 2, b - 1, a.clone()),
+}
+
+
+@pytest.mark.parametrize("name", list(EXCHANGES))
+def test_donated_inputs_exchanging_values_match_eager(name):
+    """Under sg.static(sg.fuse), both donated, over three calls fed back as the next
+    call's inputs: the results are eager's (the new ``a`` was once written into ``b``
+    too, when ``b`` took ``a``'s old value through an op Inductor drops)."""
+    fn = EXCHANGES[name]
+    fused = sg.static(sg.fuse(fn), donate=(0, 1))
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(6, generator=g), torch.randn(6, generator=g)
+    mine, ref = (a.clone(), b.clone()), (a, b)
+    for call in range(3):
+        got, want = fused(*mine), fn(*ref)
+        assert len(got) == len(want)
+        for i, (x, y) in enumerate(zip(got, want)):
+            torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6, msg=f"call {call}, result[{i}]")
+        mine, ref = got[:2], want[:2]
 
 
 def test_stats_count_kernels_before_and_after_fusion(run):

@@ -386,8 +386,9 @@ def test_static_matches_eager_on_random_steps(block):
         pytest.fail(f"{len(failures)} of {BLOCK} seeds fail:\n{heads}\n\nfirst failure in full:\n{failures[0]}")
 
 
-FUSED_SEEDS = [*range(24), 34, 64, 112, 210]  # 34, 64: inputs aliased at trace time; 112: mixed precision;
-# 210: Inductor dropped a clone and returned a donated input's buffer
+FUSED_SEEDS = [*range(24), 34, 64, 112, 210, 1298]  # 34, 64: inputs aliased at trace time; 112: mixed precision;
+# 210: Inductor dropped a clone and returned a donated input's buffer; 1298: a donated input
+# took another's old value through a view that Inductor dropped, after that one's write
 
 
 @pytest.mark.slow

@@ -8,6 +8,8 @@ tensor (no copy afterwards); the aliased outputs are not returned by the compile
 code at all, and the donated input takes their place here. An output that comes back
 sharing memory where the program's outputs do not (Inductor may drop a ``clone`` it
 sees as a no-op) is copied, so nothing returned aliases what the next call writes.
+Where Inductor could read a donated input after the graph's own write into it (see
+:func:`_written_after_the_call`), that input's write is made after the call instead.
 
 Inductor's settings are patched only while compiling (see :func:`inductor_config`):
 its own CUDA graphs stay off, since the caller (``sg.static``) owns the graph, and
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import threading
 import time
 import traceback
@@ -59,7 +62,7 @@ class InductorExecutable:
 
     def __init__(self, program: Program, options: FuseOptions) -> None:
         start = time.perf_counter()
-        gm, self._kept = _graph_for_inductor(program)
+        gm, self._kept, self._late = _graph_for_inductor(program)
         self._aliases = program.aliases
         self._donated = sorted(program.donated)
         values = returned(program.graph)
@@ -87,6 +90,8 @@ class InductorExecutable:
         for i, value in zip(self._kept, values):
             outputs[i] = value
         for out, into in self._aliases:
+            if out in self._late:
+                inputs[into].copy_(outputs[out])
             outputs[out] = inputs[into]
         return outputs
 
@@ -250,28 +255,95 @@ def _independent_examples(program: Program) -> list[torch.Tensor]:
         return [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in vals]
 
 
-def _graph_for_inductor(program: Program) -> tuple[torch.fx.GraphModule, list[int]]:
+def _graph_for_inductor(program: Program) -> tuple[torch.fx.GraphModule, list[int], set[int]]:
     """A copy of the graph that writes each aliased output into its donated input
     with a trailing ``copy_`` and returns only the other outputs.
 
     Returns:
-        The graph module and the output positions it still returns, in order.
+        The graph module; the output positions it still returns, in order; and the
+        aliased outputs among them that the caller writes into their donated inputs
+        after the call (see :func:`_written_after_the_call`).
     """
     gm = program.copy_graph_module()
     graph = gm.graph
     inputs = placeholders(graph)
     values = returned(graph)
     out = output_node(graph)
-    aliased = dict(program.aliases)
+    late = _written_after_the_call(program.aliases, values, inputs)
     with graph.inserting_before(out):
         for o, i in program.aliases:
-            if values[o] is not inputs[i]:
+            if values[o] is not inputs[i] and o not in late:
                 graph.call_function(torch.ops.aten.copy_.default, (inputs[i], values[o]))
+    aliased = {o for o, _ in program.aliases} - late
     kept = [o for o in range(len(values)) if o not in aliased]
     out.args = ([values[o] for o in kept],)
     graph.eliminate_dead_code()
     gm.recompile()
-    return gm, kept
+    return gm, kept, late
+
+
+def _written_after_the_call(aliases: Sequence[tuple[int, int]], values: list, inputs: list) -> set[int]:
+    """The aliased outputs whose write into their donated input must wait until the
+    compiled graph has run.
+
+    Inductor drops ops it sees as no-ops (a ``clone``, a full view) before it lowers a
+    graph, and protects graph outputs from that, but not the sources of ``copy_``
+    nodes into inputs. A step whose donated ``a`` takes a new value while donated
+    ``b`` takes ``a``'s old one (``return b.sin(), a.clone()``) then wrote the new
+    ``a`` into ``b`` as well: the copy into ``b`` read ``a`` after the copy into ``a``.
+    So wherever a value the graph returns or writes may be, once such ops are
+    dropped, another donated input that the graph writes, that input's write moves
+    out of the graph (a copy after the call; rare: an optimizer's new state is
+    computed from several tensors, not a copy of one), until no such read is left.
+    """
+    writer = {inputs[i]: o for o, i in aliases if values[o] is not inputs[i]}
+    late: set[int] = set()
+    changed = True
+    while changed:
+        changed = False
+        for o, value in enumerate(values):
+            for source in _copied_from(value):
+                w = writer.get(source)
+                if w is not None and w != o and w not in late:
+                    late.add(w)
+                    changed = True
+    return late
+
+
+_PASS_THROUGH = {torch.ops.aten.cat.default, torch.ops.aten.slice_scatter.default, torch.ops.aten.copy.default}
+
+
+def _copied_from(value: Any) -> set[torch.fx.Node]:
+    """The graph inputs ``value`` may turn out to be, or a view of, once no-op ops are
+    dropped: followed back through each op of a single tensor argument (views, clones,
+    casts, ``x ** 1``, scalar arithmetic: conservative) and through concatenations,
+    scatters and copies."""
+    found: set[torch.fx.Node] = set()
+    stack = [value] if isinstance(value, torch.fx.Node) else []
+    seen: set[torch.fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder":
+            found.add(node)
+            continue
+        if node.op != "call_function":
+            continue
+        tensors = _tensor_args(node)
+        if len(tensors) == 1 or node.target in _PASS_THROUGH or node.target is operator.getitem:
+            stack.extend(tensors)
+    return found
+
+
+def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """``node``'s arguments that are tensors (or, for ``getitem``, the tuple it reads)."""
+    args: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((node.args, node.kwargs), args.append)
+    if node.target is operator.getitem:
+        return args[:1]
+    return [a for a in args if isinstance(a.meta.get("val"), torch.Tensor)]
 
 
 @contextlib.contextmanager
