@@ -125,15 +125,23 @@ EXCHANGES = {
 }
 
 
+CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("name", list(EXCHANGES))
-def test_donated_inputs_exchanging_values_match_eager(name):
+def test_donated_inputs_exchanging_values_match_eager(name, device):
     """Under sg.static(sg.fuse), both donated, over three calls fed back as the next
-    call's inputs: the results are eager's (the new ``a`` was once written into ``b``
-    too, when ``b`` took ``a``'s old value through an op Inductor drops)."""
+    call's inputs (on a GPU, in a CUDA graph): the results are eager's. The new ``a``
+    was once written into ``b`` too, when ``b`` took ``a``'s old value through an op
+    Inductor drops."""
     fn = EXCHANGES[name]
     fused = sg.static(sg.fuse(fn), donate=(0, 1))
     g = torch.Generator().manual_seed(3)
-    a, b = torch.randn(6, generator=g), torch.randn(6, generator=g)
+    a, b = torch.randn(6, generator=g).to(device), torch.randn(6, generator=g).to(device)
     mine, ref = (a.clone(), b.clone()), (a, b)
     for call in range(3):
         got, want = fused(*mine), fn(*ref)
