@@ -152,20 +152,24 @@ def test_compile_workers_are_asked_to_start_before_the_step_is_traced(monkeypatc
     assert events[:2] == ["workers", "traced"]
 
 
-def bf16_step(kind, steps):
-    """The kind's model and batches under bf16 autocast: the plain step, params (copies),
-    the optimizer and its state."""
-    model, batches, loss = small_model_and_batches(kind, steps)
+def test_the_update_reads_bf16_weight_grads_with_the_own_kernel_in_the_graph():
+    """Under bf16 autocast the weights' grads reach the AdamW update in bf16, without
+    fp32 copies, and the own multi-tensor kernel runs inside the captured graph, the
+    losses as eager's. (Own kernel on and off are not compared param by param: the two
+    graphs fuse the backward differently, and Adam turns a last-bit difference of a
+    near-zero bf16 gradient into one of O(lr).)"""
+    model, batches, loss = small_model_and_batches("gpt", 20)
     apply, params, _ = sg.functional(model)
     params = {k: v.clone() for k, v in params.items()}
     opt = sg.optim.adamw(1e-3, weight_decay=0.01)
     plain = train_step_fn(apply, loss, opt, autocast=cuda_bf16_autocast(True))
-    return plain, params, opt.init(params), batches
-
-
-def side_by_side(fused, plain, params, state, batches):
-    """``fused`` over ``batches``, and ``plain`` eagerly on copies: the fused step's last
-    params and state, and both steps' losses."""
+    fused = sg.static(sg.fuse(plain), donate=("params", "opt_state"))
+    off = sg.static(sg.fuse(kernels=("linear_cross_entropy",))(plain), donate=("params", "opt_state"))
+    state = opt.init(params)
+    update = torch.ops.sgraph.adamw_.default
+    for step, dtypes in ((fused, {torch.bfloat16, torch.float32}), (off, {torch.float32})):
+        nodes = step.lower(params, state, batches[0]).program.graph.nodes
+        assert {g.meta["val"].dtype for n in nodes if n.target is update for g in n.args[1]} == dtypes
     eager_params, eager_state = copy.deepcopy(params), copy.deepcopy(state)
     losses, eager = [], []
     for batch in batches:
@@ -173,34 +177,12 @@ def side_by_side(fused, plain, params, state, batches):
         eager_params, eager_state, eager_metrics = plain(eager_params, eager_state, batch)
         losses.append(metrics["loss"])
         eager.append(eager_metrics["loss"])
-    return params, state, torch.stack(losses), torch.stack(eager)
-
-
-def kernel_names(step, *args):
-    """The names of the CUDA kernels one call of ``step`` runs."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        step(*args)
-        torch.cuda.synchronize()
-    return {e.name for e in prof.events()}
-
-
-def test_the_update_reads_bf16_weight_grads_with_the_own_kernel_in_the_graph():
-    """Under bf16 autocast the weights' grads reach the AdamW update in bf16, without
-    fp32 copies, and the own multi-tensor kernel runs inside the captured graph, the
-    losses as eager's. (Own kernel on and off are not compared param by param: the two
-    graphs fuse the backward differently, and Adam turns a last-bit difference of a
-    near-zero bf16 gradient into one of O(lr).)"""
-    plain, params, state, batches = bf16_step("gpt", 20)
-    fused = sg.static(sg.fuse(plain), donate=("params", "opt_state"))
-    off = sg.static(sg.fuse(kernels=("linear_cross_entropy",))(plain), donate=("params", "opt_state"))
-    update = torch.ops.sgraph.adamw_.default
-    for step, dtypes in ((fused, {torch.bfloat16, torch.float32}), (off, {torch.float32})):
-        nodes = step.lower(params, state, batches[0]).program.graph.nodes
-        assert {g.meta["val"].dtype for n in nodes if n.target is update for g in n.args[1]} == dtypes
-    params, state, losses, eager = side_by_side(fused, plain, params, state, batches)
-    torch.testing.assert_close(losses, eager, rtol=1e-2, atol=0)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(eager), rtol=1e-2, atol=0)
     # the kernel's tables (one launch per grad dtype: bf16, fp32), copied into the graph
     # from pinned memory, live with the graph: pinned and device copy of each
     assert len(fused.last_compiled.executable.kept_alive) == 4
-    names = kernel_names(fused, params, state, batches[0])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fused(params, state, batches[0])
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events()}
     assert any("adamw_lists" in n for n in names), sorted(names)

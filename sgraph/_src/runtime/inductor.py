@@ -294,20 +294,16 @@ def _written_after_the_call(aliases: Sequence[tuple[int, int]], values: list, in
     So wherever a value the graph returns or writes may be, once such ops are
     dropped, another donated input that the graph writes, that input's write moves
     out of the graph (a copy after the call; rare: an optimizer's new state is
-    computed from several tensors, not a copy of one), until no such read is left.
+    computed from several tensors, not a copy of one). Moving a write changes no value
+    the graph computes, so one pass over the values finds every such write.
     """
     writer = {inputs[i]: o for o, i in aliases if values[o] is not inputs[i]}
-    late: set[int] = set()
-    changed = True
-    while changed:
-        changed = False
-        for o, value in enumerate(values):
-            for source in _copied_from(value):
-                w = writer.get(source)
-                if w is not None and w != o and w not in late:
-                    late.add(w)
-                    changed = True
-    return late
+    return {
+        writer[source]
+        for o, value in enumerate(values)
+        for source in _copied_from(value)
+        if source in writer and writer[source] != o
+    }
 
 
 _PASS_THROUGH = {torch.ops.aten.cat.default, torch.ops.aten.slice_scatter.default, torch.ops.aten.copy.default}
@@ -332,7 +328,7 @@ def _copied_from(value: Any) -> set[torch.fx.Node]:
         if node.op != "call_function":
             continue
         tensors = _tensor_args(node)
-        if len(tensors) == 1 or node.target in _PASS_THROUGH or node.target is operator.getitem:
+        if len(tensors) == 1 or node.target in _PASS_THROUGH:
             stack.extend(tensors)
     return found
 
