@@ -206,8 +206,12 @@ VARIANTS: dict[str, tuple[str, Callable[[str], Callable[[], None]]]] = {
         lambda w: variant_sg_static(w, fuse=True, fuse_options={"reuse_blocks": False}),
     ),
     "sg-fuse-aten-adamw": (
-        'sg.static + sg.fuse(kernels=("linear_cross_entropy",)) (AdamW on ATen\'s kernel over fp32 grad copies)',
-        lambda w: variant_sg_static(w, fuse=True, fuse_options={"kernels": ("linear_cross_entropy",)}),
+        'sg.static + sg.fuse(kernels=("linear_cross_entropy", "gelu_mlp")) (AdamW on ATen\'s kernel, fp32 grads)',
+        lambda w: variant_sg_static(w, fuse=True, fuse_options={"kernels": ("linear_cross_entropy", "gelu_mlp")}),
+    ),
+    "sg-fuse-no-gelu-mlp": (
+        'sg.static + sg.fuse(kernels=("linear_cross_entropy", "adamw")) (the MLP\'s GELU as generated code)',
+        lambda w: variant_sg_static(w, fuse=True, fuse_options={"kernels": ("linear_cross_entropy", "adamw")}),
     ),
     "sg-fuse-autotune": (
         "sg.static + sg.fuse(autotune=True) (Triton matmul templates with fused epilogues, tuned block sizes)",
@@ -218,8 +222,8 @@ VARIANTS: dict[str, tuple[str, Callable[[str], Callable[[], None]]]] = {
         lambda w: variant_sg_static(w, fuse=True, inductor={"triton.enable_pdl": True}),
     ),
     "sg-fuse-no-ce": (
-        'sg.static + sg.fuse(kernels=("adamw",)) (the loss as generated code: full logits, no own cross-entropy)',
-        lambda w: variant_sg_static(w, fuse=True, fuse_options={"kernels": ("adamw",)}),
+        'sg.static + sg.fuse(kernels=("adamw", "gelu_mlp")) (the loss generated: full logits)',
+        lambda w: variant_sg_static(w, fuse=True, fuse_options={"kernels": ("adamw", "gelu_mlp")}),
     ),
     "sg-fuse-pointwise-once": (
         "sg.static + sg.fuse, one configuration per pointwise kernel (triton.autotune_pointwise off)",

@@ -238,7 +238,7 @@ def test_options_are_checked_when_decorating():
     stacked = sg.static(sg.fuse(kernels=())(f), donate=0)
     assert stacked.options.fuse == sg.fuse(kernels=())(f).options.fuse
     assert stacked.options.fuse.kernels == () and stacked.options.static.donate == (0,)
-    assert sg.fuse(f).options.fuse.kernels == ("linear_cross_entropy", "adamw")
+    assert sg.fuse(f).options.fuse.kernels == ("linear_cross_entropy", "adamw", "gelu_mlp")
     assert "fuse(" in repr(sg.fuse(autotune=True)(f)) and "autotune=True" in repr(sg.fuse(autotune=True)(f))
 
 

@@ -229,6 +229,10 @@ class Transformed:
         start = time.perf_counter()
         bound = () if self._bound is None else (self._instance(),)
         kernels = self.options.fuse.kernels if self.options.fuse is not None else ()
+        if self.options.memory is not None:
+            # The GELU stays generated code, which a memory plan can recompute instead
+            # of saving; the own MLP kernel's GELU comes out of a matmul.
+            kernels = tuple(k for k in kernels if k != "gelu_mlp")
         compute, out_layout = [], None
         if self._sharder is not None:
             compute = self._sharder.compute(self._named(args, kwargs))
@@ -439,7 +443,10 @@ def fuse(
             ``"linear_cross_entropy"`` (``F.cross_entropy(x @ W.T, y)`` computed in
             row chunks, never materializing the full logits) and ``"adamw"`` (the
             AdamW update reads bf16 / fp16 gradients as they are, without their fp32
-            copies, in one multi-tensor launch per gradient dtype).
+            copies, in one multi-tensor launch per gradient dtype) and ``"gelu_mlp"``
+            (``F.linear(F.gelu(F.linear(x, W1, b1), approximate="tanh"), W2, b2)`` on a
+            GPU in bf16 / fp16, the GELU and its gradient in cuBLASLt's matmul
+            epilogues; not under ``sg.plan_memory``, which may recompute the GELU).
         reuse_blocks: compile a repeated block (the copies of an entry of an
             ``nn.ModuleList`` or ``nn.Sequential``: a transformer's layers) once,
             forward and backward, and call that code for each copy, instead of

@@ -39,7 +39,7 @@ OutputMode = Literal["copy", "view"]
 
 MemoryPolicy = Literal["min_time", "save_matmuls", "save_block_inputs"]
 
-OWN_KERNELS = ("linear_cross_entropy", "adamw")
+OWN_KERNELS = ("linear_cross_entropy", "adamw", "gelu_mlp")
 """The own kernels ``sg.fuse`` can substitute for patterns of ATen ops."""
 
 

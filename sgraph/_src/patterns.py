@@ -1,5 +1,6 @@
 """Patterns of ordinary user code that ``sg.fuse`` runs on its own kernels, matched
-while the step is traced.
+while the step is traced: a linear map followed by a cross-entropy
+(:class:`LinearCrossEntropyMode`), and a transformer's MLP (:class:`GeluMlpMode`).
 
 ``F.cross_entropy(x @ W.T, y)`` (or ``F.cross_entropy(head(x).float().view(-1, V),
 y.view(-1))``, with ``head`` an ``nn.Linear`` without bias) is matched here, at the
@@ -23,9 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .dtensors import is_dtensor
+from .kernels.gelu_mlp import gelu_mlp
 from .kernels.linear_cross_entropy import linear_cross_entropy
 
-__all__ = ["LinearCrossEntropyMode", "MIN_CLASSES"]
+__all__ = ["GELU_MLP_DEVICES", "GeluMlpMode", "LinearCrossEntropyMode", "MIN_CLASSES"]
 
 MIN_CLASSES = 1024
 """Fewer classes than this: the logits are small, the ordinary code is as good."""
@@ -160,3 +163,99 @@ def _supported(a: dict[str, Any], logits: torch.Tensor, target: Any, origin: _Lo
         and isinstance(a["ignore_index"], int)
         and isinstance(a["label_smoothing"], (int, float))
     )
+
+
+_LOW = (torch.bfloat16, torch.float16)
+GELU_MLP_DEVICES = ("cuda",)
+"""Where :class:`GeluMlpMode` matches: where cuBLASLt runs it (elsewhere the own ops are
+ATen's, and generated code fuses the GELU better)."""
+_LINEAR_SIGNATURE = ("input", "weight", "bias")
+
+
+@dataclass(frozen=True)
+class _Hidden:
+    """``g = gelu_tanh(h)``, ``h = F.linear(x, weight, bias)``: what the second linear of
+    an MLP needs to run both on :func:`gelu_mlp`."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    dtype: torch.dtype
+    autocast: bool
+
+
+class GeluMlpMode(TorchFunctionMode):
+    """Active while a step is traced under ``sg.fuse``: ``F.linear(F.gelu(F.linear(x, W1,
+    b1), approximate="tanh"), W2, b2)`` (an ``nn.Linear``, ``nn.GELU("tanh")``,
+    ``nn.Linear`` MLP) runs on :func:`gelu_mlp`, the GELU and its gradient in the
+    matmuls' epilogues.
+
+    The first linear and the GELU run as written and are remembered; when the second
+    linear's input is such a GELU, the whole MLP is computed again on the own kernel and
+    the first two ops, now unused, go with the rest of the dead code (a step that also
+    uses ``h`` or ``g`` keeps them for that use). Matched only where cuBLASLt runs it:
+    CUDA tensors (:data:`GELU_MLP_DEVICES`) in bf16 or fp16, as autocast or the params make them,
+    2-D weights, no DTensors; the exact GELU (``approximate="none"``) is not matched.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.devices = GELU_MLP_DEVICES
+        self._linear: dict[int, tuple[torch.Tensor, _Hidden]] = {}
+        self._gelu: dict[int, tuple[torch.Tensor, _Hidden]] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight, bias = (_arg(args, kwargs, i, name) for i, name in enumerate(_LINEAR_SIGNATURE))
+            found = self._gelu.get(id(x)) if isinstance(x, torch.Tensor) else None
+            if found is not None and self._second(found[1], x, weight, bias):
+                first = found[1]
+                lead = first.x.shape[:-1]
+                y = gelu_mlp(
+                    first.x.reshape(-1, first.x.shape[-1]).to(first.dtype),
+                    first.weight.to(first.dtype),
+                    None if first.bias is None else first.bias.to(first.dtype),
+                    weight.to(first.dtype),
+                    None if bias is None else bias.to(first.dtype),
+                )
+                return y.reshape(*lead, weight.shape[0])
+            out = func(*args, **kwargs)
+            if self._first(x, weight, bias, out):
+                autocast = torch.is_autocast_enabled(out.device.type)
+                self._linear[id(out)] = (out, _Hidden(x, weight, bias, out.dtype, autocast))
+            return out
+        out = func(*args, **kwargs)
+        if func is F.gelu and args and isinstance(args[0], torch.Tensor) and id(args[0]) in self._linear:
+            approximate = _arg(args, kwargs, 1, "approximate")
+            if approximate == "tanh" and isinstance(out, torch.Tensor):
+                self._gelu[id(out)] = (out, self._linear[id(args[0])][1])
+        return out
+
+    def _first(self, x: Any, weight: Any, bias: Any, out: Any) -> bool:
+        tensors = [t for t in (x, weight, bias, out) if t is not None]
+        return (
+            all(isinstance(t, torch.Tensor) and not is_dtensor(t) for t in tensors)
+            and out.dtype in _LOW
+            and out.device.type in self.devices
+            and x.dim() >= 2
+            and weight.dim() == 2
+            and (bias is None or bias.dim() == 1)
+            and out.shape[-1] % 8 == 0  # cuBLASLt's GELU input: a multiple of 8 columns
+        )
+
+    def _second(self, first: _Hidden, g: torch.Tensor, weight: Any, bias: Any) -> bool:
+        """Whether ``F.linear(g, weight, bias)`` computes in ``first``'s dtype, as the
+        own kernel would: under the same autocast, or with all of one dtype."""
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or is_dtensor(weight):
+            return False
+        if bias is not None and (not isinstance(bias, torch.Tensor) or bias.dim() != 1 or is_dtensor(bias)):
+            return False
+        if weight.shape[1] != g.shape[-1] or weight.device != g.device:
+            return False
+        device = g.device.type
+        if torch.is_autocast_enabled(device) != first.autocast:
+            return False
+        if first.autocast:
+            return torch.get_autocast_dtype(device) == first.dtype
+        return weight.dtype == g.dtype == first.dtype and (bias is None or bias.dtype == first.dtype)

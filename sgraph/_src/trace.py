@@ -43,7 +43,7 @@ from .dtensors import (
 )
 from .errors import CaptureError
 from .hidden import find_hidden_tensor
-from .patterns import LinearCrossEntropyMode
+from .patterns import GeluMlpMode, LinearCrossEntropyMode
 from .program import LeafInfo, Program, alias_root, placeholders, returned, written_args
 from .source import GRAD_MODULE_KEY, MODULE_KEY
 from .tags import TAGS_KEY
@@ -220,7 +220,8 @@ def _flat_step(
                 table[id(full[i])] = placements
         args, kwargs = tree.unflatten(in_spec, full)
         patterns = LinearCrossEntropyMode() if "linear_cross_entropy" in kernels else contextlib.nullcontext()
-        with GuardMode(api), CudnnRnnGuard(api), SourceMode(api), patterns, _replicated_constants(dists):
+        mlps = GeluMlpMode() if "gelu_mlp" in kernels else contextlib.nullcontext()
+        with GuardMode(api), CudnnRnnGuard(api), SourceMode(api), patterns, mlps, _replicated_constants(dists):
             out = fn(*bound, *args, **kwargs)
             out_leaves, result["spec"] = tree.flatten(out)
             targets = (out_layout or matching_layout(leaves, in_spec))(out)
