@@ -114,3 +114,52 @@ def test_gelu_mlp_forward_and_gradients_match_autograd(biases):
     for a, e, o in zip(ours, exact, low):
         close(a, e, 2e-2)
         assert (a.double() - e).abs().max() <= (o.double() - e).abs().max() * 2 + 1e-3
+
+
+def test_a_gpt_step_runs_its_mlps_on_cublaslt_inside_the_cuda_graph(monkeypatch):
+    """The benchmark GPT's blocks (tanh GELU MLPs) under bf16 autocast: every block's MLP
+    on the own ops, their cuBLASLt path taken (not the ATen fallback) on the first call
+    and replayed in the graph after it, the losses of the captured, donated step as
+    eager's over 20 steps."""
+    import copy
+
+    from models_for_tests import cuda_bf16_autocast, small_model_and_batches, train_step_fn
+
+    import sgraph as sg
+
+    model, batches, loss = small_model_and_batches("gpt", 20)
+    apply, params, _ = sg.functional(model)
+    params = {k: v.clone() for k, v in params.items()}
+    opt = sg.optim.adamw(1e-3, weight_decay=0.01)
+    plain = train_step_fn(apply, loss, opt, autocast=cuda_bf16_autocast(True))
+    fused = sg.static(sg.fuse(plain), donate=("params", "opt_state"))
+    state = opt.init(params)
+    ops = [str(n.target) for n in fused.lower(params, state, batches[0]).program.ops()]
+    blocks = len(model.blocks)
+    assert ops.count("sgraph.gelu_linear.default") == blocks
+    assert ops.count("sgraph.gelu_linear_backward.default") == blocks
+    assert "aten.gelu.default" not in ops
+    calls = []
+
+    def counting(name, real):
+        def counted(*args):
+            calls.append(name)
+            return real(*args)
+
+        return counted
+
+    for name in ("gelu_matmul", "dgelu_matmul"):
+        monkeypatch.setattr(cublaslt, name, counting(name, getattr(cublaslt, name)))
+    eager_params, eager_state = copy.deepcopy(params), copy.deepcopy(state)
+    losses, eager = [], []
+    for i, batch in enumerate(batches):
+        params, state, metrics = fused(params, state, batch)
+        eager_params, eager_state, eager_metrics = plain(eager_params, eager_state, batch)
+        losses.append(metrics["loss"])
+        eager.append(eager_metrics["loss"])
+        if i == 0:  # the first call's run and its capture called cuBLASLt; replays do not call Python
+            first = list(calls)
+            assert first.count("gelu_matmul") >= blocks and first.count("dgelu_matmul") >= blocks
+    assert calls == first
+    assert fused.last_compiled.stats.runtime == "inductor+cudagraph"
+    torch.testing.assert_close(torch.stack(losses), torch.stack(eager), rtol=1e-2, atol=0)
