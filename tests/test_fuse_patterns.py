@@ -128,3 +128,36 @@ def test_module_head_under_sg_functional():
     lowered, (new, value) = run_lowered(step, params, (x, y))
     assert "sgraph.linear_cross_entropy.default" in targets(lowered)
     torch.testing.assert_close(value, F.cross_entropy(model(x), y), rtol=1e-6, atol=0)
+
+
+def _mul_logits_in_place(p, x, y):
+    logits = torch.tanh(x @ p["w1"]) @ p["head"].T
+    logits.mul_(2)
+    return F.cross_entropy(logits, y)
+
+
+def _write_the_upcast_logits(p, x, y):
+    logits = (torch.tanh(x @ p["w1"]) @ p["head"].T).float()
+    logits[:, 0] = 5.0
+    return F.cross_entropy(logits, y)
+
+
+def _write_x_after_the_matmul(p, x, y):
+    h = (x @ p["w1"]) * 0.5  # neither op saves h for its backward
+    logits = h @ p["head"].detach().T  # nor this one, with a frozen head: h may be written afterwards
+    h.add_(1.0)
+    return F.cross_entropy(logits, y) + h.sum() * 0
+
+
+@pytest.mark.parametrize("loss", [_mul_logits_in_place, _write_the_upcast_logits, _write_x_after_the_matmul])
+def test_logits_or_their_inputs_written_in_place_before_the_loss_are_not_matched(loss):
+    """The own kernel computes the logits from ``x`` and ``W`` again: after an in-place
+    write on the way, it would not compute what the code did."""
+    params, batch = params_and_batch()
+    step = sgd_step(lambda p, b: loss(p, *b))
+    lowered, (new, value) = run_lowered(step, params, batch)
+    assert "sgraph.linear_cross_entropy.default" not in targets(lowered)
+    expected_new, expected = step(params, batch)
+    torch.testing.assert_close(value, expected, rtol=1e-6, atol=0)
+    for k in new:
+        torch.testing.assert_close(new[k], expected_new[k], rtol=1e-5, atol=1e-6)

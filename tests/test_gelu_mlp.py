@@ -170,3 +170,47 @@ def test_left_as_written(monkeypatch, why):
     lowered = fused.lower(params, b)
     assert "sgraph.gelu_linear.default" not in targets(lowered)
     assert "aten.gelu.default" in targets(lowered)
+
+
+def _write_h(p, x):
+    h = F.linear(x, p["w1"], p["b1"]).mul_(2)
+    return F.linear(F.gelu(h, approximate="tanh"), p["w2"], p["b2"])
+
+
+def _write_g(p, x):
+    g = F.gelu(F.linear(x, p["w1"], p["b1"]), approximate="tanh")
+    g.mul_(3)
+    return F.linear(g, p["w2"], p["b2"])
+
+
+def _write_b1_after_the_first_linear(p, x):
+    b1 = p["b1"].clone()
+    g = F.gelu(F.linear(x, p["w1"], b1), approximate="tanh")
+    b1.add_(5)
+    return F.linear(g, p["w2"], p["b2"])
+
+
+@pytest.mark.parametrize("mlp_fn", [_write_h, _write_g, _write_b1_after_the_first_linear])
+def test_an_mlp_written_in_place_on_the_way_is_not_matched(on_cpu, mlp_fn):
+    """The own kernel computes ``h`` and ``g`` from ``x`` and the weights again: after an
+    in-place write on the way, it would not compute what the code did."""
+    params, b = mlp_params(torch.bfloat16), tuple(t.bfloat16() for t in batch())
+
+    def loss_fn(p, b):
+        return ((b[0] + mlp_fn(p, b[0])).float() - b[1]).pow(2).mean()
+
+    lowered = check_matches_eager(sgd_step(loss_fn), params, b, rtol=2e-2)
+    assert "sgraph.gelu_linear.default" not in targets(lowered)
+
+
+def test_one_hidden_activation_feeding_two_linears_matches_eager(on_cpu):
+    params, b = mlp_params(torch.bfloat16), tuple(t.bfloat16() for t in batch())
+    w3 = params["w2"].flip(0).contiguous()
+
+    def loss_fn(p, b):
+        g = F.gelu(F.linear(b[0], p["w1"], p["b1"]), approximate="tanh")
+        y = F.linear(g, p["w2"], p["b2"]) + F.linear(g, w3)
+        return (y.float() - b[1]).pow(2).mean()
+
+    lowered = check_matches_eager(sgd_step(loss_fn), params, b, rtol=2e-2)
+    assert targets(lowered).count("sgraph.gelu_linear.default") == 2

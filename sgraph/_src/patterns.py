@@ -7,7 +7,8 @@ y.view(-1))``, with ``head`` an ``nn.Linear`` without bias) is matched here, at 
 level of the Python calls, where the loss's options (``ignore_index``,
 ``label_smoothing``, ``reduction``) are plain arguments: the logits' producer is
 remembered for every tensor made by a bias-free linear map, and followed through
-reshapes and an upcast to fp32. The cross-entropy call on such logits then runs
+reshapes and an upcast to fp32 (and not matched if any tensor on that way was written
+in place since). The cross-entropy call on such logits then runs
 :func:`linear_cross_entropy` instead, whose forward and backward never hold the
 full logits. The logits' own matmul, now unused, is dropped from the graph with the
 rest of the dead code; if the step uses the logits elsewhere too, they are still
@@ -16,6 +17,7 @@ computed for that use, and the result is the same.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +61,17 @@ class _Logits:
     right: torch.Tensor | None
     weight: torch.Tensor | None
     dtype: torch.dtype
+    # The tensors from ``x`` to these logits with their version counters when noted: an
+    # in-place write to any of them (``logits.mul_(2)``) before the loss means the own
+    # kernel, which computes from ``x`` and ``W`` again, would not compute what the code did.
+    watched: tuple[tuple[torch.Tensor, int], ...] = ()
+
+    def unchanged(self) -> bool:
+        return all(t._version == version for t, version in self.watched)
+
+    def through(self, out: torch.Tensor) -> _Logits:
+        """The same logits after a reshape or cast that made ``out``."""
+        return dataclasses.replace(self, watched=self.watched + ((out, out._version),))
 
     def weight_rows(self) -> torch.Tensor:
         """``W``, ``[classes, features]``."""
@@ -103,15 +116,17 @@ class LinearCrossEntropyMode(TorchFunctionMode):
         if func is F.linear:
             weight, bias = _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")
             if bias is None and isinstance(weight, torch.Tensor) and weight.dim() == 2:
-                self._logits[id(out)] = (out, _Logits(first, None, weight, out.dtype))
+                watched = _watch(first, weight, out)
+                self._logits[id(out)] = (out, _Logits(first, None, weight, out.dtype, watched))
         elif func in _TRANSPOSES and first.dim() == 2:
             self._transposed[id(out)] = (out, first)
         elif func in _MATMULS and len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].dim() == 2:
             right = args[1]
             weight = self._transposed[id(right)][1] if id(right) in self._transposed else None
-            self._logits[id(out)] = (out, _Logits(first, right, weight, out.dtype))
+            watched = _watch(first, right, *([] if weight is None else [weight]), out)
+            self._logits[id(out)] = (out, _Logits(first, right, weight, out.dtype, watched))
         elif func in _RESHAPES and id(first) in self._logits and _same_rows(first, out):
-            self._logits[id(out)] = (out, self._logits[id(first)][1])
+            self._logits[id(out)] = (out, self._logits[id(first)][1].through(out))
 
     def _cross_entropy(self, args: Any, kwargs: dict[str, Any]) -> torch.Tensor | None:
         try:
@@ -123,7 +138,7 @@ class LinearCrossEntropyMode(TorchFunctionMode):
         logits, target = a["input"], a["target"]
         found = self._logits.get(id(logits))
         origin = found[1] if found is not None else None
-        if origin is None or not _supported(a, logits, target, origin):
+        if origin is None or not origin.unchanged() or not _supported(a, logits, target, origin):
             return None
         x = origin.x.reshape(-1, origin.x.shape[-1])
         return linear_cross_entropy(
@@ -134,6 +149,10 @@ class LinearCrossEntropyMode(TorchFunctionMode):
             label_smoothing=a["label_smoothing"],
             reduction=a["reduction"],
         )
+
+
+def _watch(*tensors: torch.Tensor) -> tuple[tuple[torch.Tensor, int], ...]:
+    return tuple((t, t._version) for t in tensors)
 
 
 def _arg(args: Any, kwargs: dict[str, Any], index: int, name: str) -> Any:
@@ -175,13 +194,25 @@ _LINEAR_SIGNATURE = ("input", "weight", "bias")
 @dataclass(frozen=True)
 class _Hidden:
     """``g = gelu_tanh(h)``, ``h = F.linear(x, weight, bias)``: what the second linear of
-    an MLP needs to run both on :func:`gelu_mlp`."""
+    an MLP needs to run both on :func:`gelu_mlp`. ``versions`` are the version counters
+    of ``x``, ``weight``, ``bias`` and ``h`` when ``h`` was made: an in-place write to
+    any of them before the second linear (``h.mul_(2)``) means the own kernel, which
+    computes from ``x`` and the weights again, would not compute what the code did."""
 
     x: torch.Tensor
     weight: torch.Tensor
     bias: torch.Tensor | None
+    h: torch.Tensor
     dtype: torch.dtype
     autocast: bool
+    versions: tuple[int, ...]
+
+    def unchanged(self) -> bool:
+        return _versions(self.x, self.weight, self.bias, self.h) == self.versions
+
+
+def _versions(*tensors: torch.Tensor | None) -> tuple[int, ...]:
+    return tuple(-1 if t is None else t._version for t in tensors)
 
 
 class GeluMlpMode(TorchFunctionMode):
@@ -195,21 +226,27 @@ class GeluMlpMode(TorchFunctionMode):
     the first two ops, now unused, go with the rest of the dead code (a step that also
     uses ``h`` or ``g`` keeps them for that use). Matched only where cuBLASLt runs it:
     CUDA tensors (:data:`GELU_MLP_DEVICES`) in bf16 or fp16, as autocast or the params make them,
-    2-D weights, no DTensors; the exact GELU (``approximate="none"``) is not matched.
+    2-D weights, no DTensors; the exact GELU (``approximate="none"``) is not matched,
+    nor an MLP whose input, weights, ``h`` or ``g`` were written in place in between.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.devices = GELU_MLP_DEVICES
         self._linear: dict[int, tuple[torch.Tensor, _Hidden]] = {}
-        self._gelu: dict[int, tuple[torch.Tensor, _Hidden]] = {}
+        self._gelu: dict[int, tuple[torch.Tensor, _Hidden, int]] = {}  # g, its MLP so far, g's version
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is F.linear:
             x, weight, bias = (_arg(args, kwargs, i, name) for i, name in enumerate(_LINEAR_SIGNATURE))
             found = self._gelu.get(id(x)) if isinstance(x, torch.Tensor) else None
-            if found is not None and self._second(found[1], x, weight, bias):
+            if (
+                found is not None
+                and x._version == found[2]
+                and found[1].unchanged()
+                and self._second(found[1], x, weight, bias)
+            ):
                 first = found[1]
                 lead = first.x.shape[:-1]
                 y = gelu_mlp(
@@ -223,13 +260,15 @@ class GeluMlpMode(TorchFunctionMode):
             out = func(*args, **kwargs)
             if self._first(x, weight, bias, out):
                 autocast = torch.is_autocast_enabled(out.device.type)
-                self._linear[id(out)] = (out, _Hidden(x, weight, bias, out.dtype, autocast))
+                versions = _versions(x, weight, bias, out)
+                self._linear[id(out)] = (out, _Hidden(x, weight, bias, out, out.dtype, autocast, versions))
             return out
         out = func(*args, **kwargs)
         if func is F.gelu and args and isinstance(args[0], torch.Tensor) and id(args[0]) in self._linear:
             approximate = _arg(args, kwargs, 1, "approximate")
-            if approximate == "tanh" and isinstance(out, torch.Tensor):
-                self._gelu[id(out)] = (out, self._linear[id(args[0])][1])
+            hidden = self._linear[id(args[0])][1]
+            if approximate == "tanh" and isinstance(out, torch.Tensor) and hidden.unchanged():
+                self._gelu[id(out)] = (out, hidden, out._version)
         return out
 
     def _first(self, x: Any, weight: Any, bias: Any, out: Any) -> bool:
