@@ -161,3 +161,19 @@ def test_logits_or_their_inputs_written_in_place_before_the_loss_are_not_matched
     torch.testing.assert_close(value, expected, rtol=1e-6, atol=0)
     for k in new:
         torch.testing.assert_close(new[k], expected_new[k], rtol=1e-5, atol=1e-6)
+
+
+def test_an_outer_grad_over_the_fused_loss_says_what_to_do():
+    params, batch = params_and_batch()
+
+    def loss(p, b):
+        return F.cross_entropy(torch.tanh(b[0] @ p["w1"]) @ p["head"].T, b[1])
+
+    def penalized(p, b):
+        return loss(p, b) + sum(g.pow(2).sum() for g in sg.grad(loss)(p, b).values())
+
+    with pytest.raises(Exception, match="cannot be differentiated twice"):
+        run_lowered(sgd_step(penalized), params, batch)
+    lowered, (new, value) = run_lowered(sgd_step(penalized), params, batch, kernels=("adamw", "gelu_mlp"))
+    expected_new, expected = sgd_step(penalized)(params, batch)
+    torch.testing.assert_close(value, expected, rtol=1e-6, atol=0)

@@ -214,3 +214,16 @@ def test_one_hidden_activation_feeding_two_linears_matches_eager(on_cpu):
 
     lowered = check_matches_eager(sgd_step(loss_fn), params, b, rtol=2e-2)
     assert targets(lowered).count("sgraph.gelu_linear.default") == 2
+
+
+def test_a_gradient_penalty_differentiates_through_the_matched_mlp(on_cpu):
+    """An outer sg.grad over an inner one (a gradient penalty): the own ops have no
+    derivatives, so the differentiated backward takes the ordinary ops' gradients."""
+    params, b = mlp_params(torch.bfloat16), tuple(t.bfloat16() for t in batch())
+
+    def penalized(p, b):
+        grads = sg.grad(residual_loss)(p, b)
+        return residual_loss(p, b) + sum(g.float().pow(2).sum() for g in grads.values())
+
+    lowered = check_matches_eager(sgd_step(penalized), params, b, rtol=3e-2)
+    assert "sgraph.gelu_linear.default" in targets(lowered)

@@ -81,14 +81,24 @@ class _GeluMlp(torch.autograd.Function):
     def forward(ctx, x, w1, b1, w2, b2):  # type: ignore[override]
         g, h = torch.ops.sgraph.gelu_linear(x, w1, b1)
         y = torch.addmm(b2, g, w2.t()) if b2 is not None else torch.mm(g, w2.t())
-        ctx.save_for_backward(x, w1, w2, g, h)
+        ctx.save_for_backward(x, w1, w2, g, h, b1, b2)
         ctx.biases = (b1 is not None, b2 is not None)
         return y
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
-        x, w1, w2, g, h = ctx.saved_tensors
+        x, w1, w2, g, h, b1, b2 = ctx.saved_tensors
         need = ctx.needs_input_grad
+        if torch.is_grad_enabled():
+            # This backward is itself differentiated (an outer sg.grad): the own ops have
+            # no derivatives, so take the ordinary ops' gradients, which do.
+            inputs = [(i, t) for i, t in enumerate((x, w1, b1, w2, b2)) if t is not None and need[i]]
+            y = F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
+            found = torch.autograd.grad(y, [t for _, t in inputs], dy, create_graph=True)
+            grads: list[Tensor | None] = [None] * 5
+            for (i, _), grad in zip(inputs, found):
+                grads[i] = grad
+            return tuple(grads)
         dw2 = torch.mm(dy.t(), g) if need[3] else None
         db2 = dy.sum(0) if ctx.biases[1] and need[4] else None
         dx = dw1 = db1 = None

@@ -87,6 +87,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
+        if torch.is_grad_enabled():
+            raise NotImplementedError(
+                "sg.fuse's linear_cross_entropy kernel computes its gradients in the forward and "
+                "cannot be differentiated twice (an outer sg.grad over this loss): leave it out with "
+                'sg.fuse(kernels=("adamw", "gelu_mlp")).'
+            )
         grad_x, grad_w = ctx.saved_tensors
         dx = grad_x * grad.to(grad_x.dtype) if ctx.needs_input_grad[0] else None
         dw = grad_w * grad.to(grad_w.dtype) if ctx.needs_input_grad[1] else None
