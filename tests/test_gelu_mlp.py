@@ -242,3 +242,14 @@ def test_the_own_ops_compile_through_inductor(on_cpu):
     torch.testing.assert_close(loss, want, rtol=2e-2, atol=1e-6)
     for k in want_new:
         torch.testing.assert_close(new[k], want_new[k], rtol=2e-2, atol=2e-2, msg=k)
+
+
+def test_the_memory_analysis_counts_a_cublaslt_workspace_on_a_gpu_only():
+    from types import SimpleNamespace
+
+    from sgraph._src.kernels import cublaslt, scratch_bytes
+
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0))
+    for op in ("sgraph::gelu_linear", "sgraph::gelu_linear_backward"):
+        assert scratch_bytes(op, [on_gpu]) == [(cublaslt.WORKSPACE_BYTES, "cuBLASLt workspace")]
+        assert scratch_bytes(op, [torch.empty(2, 2)]) == []

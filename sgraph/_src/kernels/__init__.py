@@ -15,4 +15,8 @@ def scratch_bytes(op: str, args: list[Any]) -> list[tuple[int, str]]:
         from .linear_cross_entropy import scratch_bytes as linear_cross_entropy_scratch
 
         return linear_cross_entropy_scratch(args[0], args[1])
+    if op in ("sgraph::gelu_linear", "sgraph::gelu_linear_backward"):
+        from .gelu_mlp import scratch_bytes as gelu_mlp_scratch
+
+        return gelu_mlp_scratch(args[0])
     return []

@@ -32,9 +32,10 @@ from . import cublaslt
 __all__ = ["gelu_mlp", "scratch_bytes"]
 
 
-def scratch_bytes() -> list[tuple[int, str]]:
-    """What either op holds beyond its outputs: at most one cuBLASLt workspace."""
-    return [(cublaslt.WORKSPACE_BYTES, "cuBLASLt workspace")]
+def scratch_bytes(first: Tensor) -> list[tuple[int, str]]:
+    """What either op holds beyond its outputs, given its first argument: on a GPU at
+    most one cuBLASLt workspace (the memory analysis counts that bound)."""
+    return [(cublaslt.WORKSPACE_BYTES, "cuBLASLt workspace")] if first.device.type == "cuda" else []
 
 
 @torch.library.custom_op("sgraph::gelu_linear", mutates_args=())
