@@ -6,8 +6,8 @@ in the backward a kernel for ``dh = gelu'(h) * dg`` after the matmul that makes 
 then the sum of ``dh`` for ``b1``'s gradient. Here the forward's first matmul writes
 ``g`` and ``h`` itself (cuBLASLt's ``GELU_AUX_BIAS`` epilogue) and the backward's matmul
 ``dy @ W2`` writes ``dh`` (``DGELU``): the GELU and its gradient make no pass of their
-own over the ``rows x hidden`` activations (the bias gradient's sum still does). Saved for the backward: ``x``, ``g``,
-``h`` and the weights, as in the ordinary code.
+own over the ``rows x hidden`` activations (the bias gradient's sum still does). Saved
+for the backward: ``x``, ``g``, ``h`` and the weights, as in the ordinary code.
 
 Two custom ops (``sgraph::gelu_linear``, ``sgraph::gelu_linear_backward``) and the
 autograd function :func:`gelu_mlp` over them. On a GPU they run
