@@ -67,11 +67,11 @@ class _Logits:
     watched: tuple[tuple[torch.Tensor, int], ...] = ()
 
     def unchanged(self) -> bool:
-        return all(t._version == version for t, version in self.watched)
+        return _unchanged(self.watched)
 
     def through(self, out: torch.Tensor) -> _Logits:
         """The same logits after a reshape or cast that made ``out``."""
-        return dataclasses.replace(self, watched=self.watched + ((out, out._version),))
+        return dataclasses.replace(self, watched=self.watched + _watch(out))
 
     def weight_rows(self) -> torch.Tensor:
         """``W``, ``[classes, features]``."""
@@ -151,8 +151,14 @@ class LinearCrossEntropyMode(TorchFunctionMode):
         )
 
 
-def _watch(*tensors: torch.Tensor) -> tuple[tuple[torch.Tensor, int], ...]:
-    return tuple((t, t._version) for t in tensors)
+def _watch(*tensors: torch.Tensor | None) -> tuple[tuple[torch.Tensor, int], ...]:
+    """The tensors (``None`` left out) with their version counters now."""
+    return tuple((t, t._version) for t in tensors if t is not None)
+
+
+def _unchanged(watched: tuple[tuple[torch.Tensor, int], ...]) -> bool:
+    """Whether none of the watched tensors was written in place since."""
+    return all(t._version == version for t, version in watched)
 
 
 def _arg(args: Any, kwargs: dict[str, Any], index: int, name: str) -> Any:
@@ -193,26 +199,25 @@ _LINEAR_SIGNATURE = ("input", "weight", "bias")
 
 @dataclass(frozen=True)
 class _Hidden:
-    """``g = gelu_tanh(h)``, ``h = F.linear(x, weight, bias)``: what the second linear of
-    an MLP needs to run both on :func:`gelu_mlp`. ``versions`` are the version counters
-    of ``x``, ``weight``, ``bias`` and ``h`` when ``h`` was made: an in-place write to
-    any of them before the second linear (``h.mul_(2)``) means the own kernel, which
+    """``h = F.linear(x, weight, bias)`` (and then ``g = gelu_tanh(h)``): what the second
+    linear of an MLP needs to run both on :func:`gelu_mlp`. ``watched`` holds ``x``, the
+    weights, ``h`` (and ``g``) with their version counters when made: an in-place write
+    to any of them before the second linear (``h.mul_(2)``) means the own kernel, which
     computes from ``x`` and the weights again, would not compute what the code did."""
 
     x: torch.Tensor
     weight: torch.Tensor
     bias: torch.Tensor | None
-    h: torch.Tensor
     dtype: torch.dtype
     autocast: bool
-    versions: tuple[int, ...]
+    watched: tuple[tuple[torch.Tensor, int], ...]
 
     def unchanged(self) -> bool:
-        return _versions(self.x, self.weight, self.bias, self.h) == self.versions
+        return _unchanged(self.watched)
 
-
-def _versions(*tensors: torch.Tensor | None) -> tuple[int, ...]:
-    return tuple(-1 if t is None else t._version for t in tensors)
+    def through(self, g: torch.Tensor) -> _Hidden:
+        """The same MLP after the GELU that made ``g``."""
+        return dataclasses.replace(self, watched=self.watched + _watch(g))
 
 
 class GeluMlpMode(TorchFunctionMode):
@@ -234,19 +239,14 @@ class GeluMlpMode(TorchFunctionMode):
         super().__init__()
         self.devices = GELU_MLP_DEVICES
         self._linear: dict[int, tuple[torch.Tensor, _Hidden]] = {}
-        self._gelu: dict[int, tuple[torch.Tensor, _Hidden, int]] = {}  # g, its MLP so far, g's version
+        self._gelu: dict[int, tuple[torch.Tensor, _Hidden]] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is F.linear:
             x, weight, bias = (_arg(args, kwargs, i, name) for i, name in enumerate(_LINEAR_SIGNATURE))
             found = self._gelu.get(id(x)) if isinstance(x, torch.Tensor) else None
-            if (
-                found is not None
-                and x._version == found[2]
-                and found[1].unchanged()
-                and self._second(found[1], x, weight, bias)
-            ):
+            if found is not None and found[1].unchanged() and self._second(found[1], x, weight, bias):
                 first = found[1]
                 lead = first.x.shape[:-1]
                 y = gelu_mlp(
@@ -260,15 +260,15 @@ class GeluMlpMode(TorchFunctionMode):
             out = func(*args, **kwargs)
             if self._first(x, weight, bias, out):
                 autocast = torch.is_autocast_enabled(out.device.type)
-                versions = _versions(x, weight, bias, out)
-                self._linear[id(out)] = (out, _Hidden(x, weight, bias, out, out.dtype, autocast, versions))
+                watched = _watch(x, weight, bias, out)
+                self._linear[id(out)] = (out, _Hidden(x, weight, bias, out.dtype, autocast, watched))
             return out
         out = func(*args, **kwargs)
         if func is F.gelu and args and isinstance(args[0], torch.Tensor) and id(args[0]) in self._linear:
             approximate = _arg(args, kwargs, 1, "approximate")
             hidden = self._linear[id(args[0])][1]
             if approximate == "tanh" and isinstance(out, torch.Tensor) and hidden.unchanged():
-                self._gelu[id(out)] = (out, hidden, out._version)
+                self._gelu[id(out)] = (out, hidden.through(out))
         return out
 
     def _first(self, x: Any, weight: Any, bias: Any, out: Any) -> bool:

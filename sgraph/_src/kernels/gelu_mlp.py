@@ -83,7 +83,6 @@ class _GeluMlp(torch.autograd.Function):
         g, h = torch.ops.sgraph.gelu_linear(x, w1, b1)
         y = torch.addmm(b2, g, w2.t()) if b2 is not None else torch.mm(g, w2.t())
         ctx.save_for_backward(x, w1, w2, g, h, b1, b2)
-        ctx.biases = (b1 is not None, b2 is not None)
         return y
 
     @staticmethod
@@ -101,13 +100,13 @@ class _GeluMlp(torch.autograd.Function):
                 grads[i] = grad
             return tuple(grads)
         dw2 = torch.mm(dy.t(), g) if need[3] else None
-        db2 = dy.sum(0) if ctx.biases[1] and need[4] else None
+        db2 = dy.sum(0) if b2 is not None and need[4] else None
         dx = dw1 = db1 = None
         if need[0] or need[1] or need[2]:
             dh = torch.ops.sgraph.gelu_linear_backward(dy, w2, h)
             dx = torch.mm(dh, w1) if need[0] else None
             dw1 = torch.mm(dh.t(), x) if need[1] else None
-            db1 = dh.sum(0) if ctx.biases[0] and need[2] else None
+            db1 = dh.sum(0) if b1 is not None and need[2] else None
         return dx, dw1, db1, dw2, db2
 
 
