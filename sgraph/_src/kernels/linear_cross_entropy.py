@@ -24,6 +24,9 @@ from .triton_support import triton_available
 __all__ = ["linear_cross_entropy", "chunk_rows", "scratch_bytes"]
 
 _CHUNK_ELEMENTS = 1 << 27  # logits per chunk: 256 MiB in bf16
+# ``addmm(..., out_dtype=float32)`` (CUDA only) adds a bf16 product into an fp32 matrix in
+# the matmul's epilogue, instead of writing the product and adding it in a second kernel.
+_ADDMM_OUT_DTYPE = "dtype_out" in torch.ops.aten.addmm.overloads()
 
 
 def chunk_rows(rows: int, classes: int) -> int:
@@ -64,7 +67,9 @@ def _linear_cross_entropy(
         torch.mm(z, weight, out=grad_x[start:stop])
         if x.dtype == torch.float32:
             grad_w.addmm_(z.t(), x[start:stop])
-        else:  # a low-precision product per chunk, summed in fp32
+        elif x.is_cuda and _ADDMM_OUT_DTYPE:  # low-precision product summed in fp32 by the matmul
+            torch.addmm(grad_w, z.t(), x[start:stop], out_dtype=torch.float32, out=grad_w)
+        else:  # a low-precision product per chunk, then summed in fp32
             grad_w += torch.mm(z.t(), x[start:stop])
     return loss * scale[0], grad_x, grad_w.to(weight.dtype)
 
