@@ -5,12 +5,15 @@
 Builds the benchmark's workloads (see benchmark.py), replays each compiled step a
 few times under torch.profiler and prints, per variant, the kernels that take the
 most GPU time per step, with their launches per step and, for generated kernels, the
-step's ATen ops each one computes (from ``Compiled.as_text()``).
+step's ATen ops each one computes (from ``Compiled.as_text()``). Before each table: the
+step's wall time from CUDA events (outside the profiler), the GPU time its kernels
+take, the difference (the GPU idle between kernels), and that time by kind of kernel.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from collections import defaultdict
 
@@ -36,15 +39,45 @@ def kernel_ops(text: str) -> dict[str, str]:
     return found
 
 
-def kernel_table(workload: str, variant: str) -> tuple[float, list[tuple[str, float, float]], dict[str, str]]:
-    """GPU ms per step in total; (kernel, ms per step, launches per step), most time first;
-    and, under sg.fuse, the ATen ops of each generated kernel."""
+KINDS = [  # (kind, pattern on the kernel name), first match wins
+    ("attention", re.compile(r"sdpa|flash|fmha|attention|cudnn")),
+    ("matmul", re.compile(r"nvjet|gemm|xmma|cutlass|sm90_|splitK|Kernel2")),
+    ("own kernels", re.compile(r"^(adamw_lists|cross_entropy_rows|_?adamw)")),
+    ("generated", re.compile(r"^triton_")),
+    ("ATen", re.compile(r"at::native|at_cuda_detail|void at::")),
+]
+
+
+LISTINGS: dict[str, str] = {}  # "workload variant" -> Compiled.as_text() of its step
+
+
+def kind_of(name: str) -> str:
+    return next((kind for kind, pattern in KINDS if pattern.search(name)), "other")
+
+
+def wall_ms(run, steps: int = 20) -> float:
+    """Median ms per step from CUDA events around each call, as benchmark.py times it."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    for begin, end in events:
+        begin.record()
+        run()
+        end.record()
+    torch.cuda.synchronize()
+    return sorted(b.elapsed_time(e) for b, e in events)[steps // 2]
+
+
+def kernel_table(workload: str, variant: str) -> tuple[float, float, list[tuple[str, float, float]], dict[str, str]]:
+    """Wall ms per step; GPU ms per step in total; (kernel, ms per step, launches per
+    step), most time first; and, under sg.fuse, the ATen ops of each generated kernel."""
     run = VARIANTS[variant][1](workload)
     for _ in range(5):
         run()
     torch.cuda.synchronize()
+    wall = wall_ms(run)
     step = getattr(run, "step", None)  # compiled by the first call: its kernel list is there now
-    ops = kernel_ops(step.last_compiled.as_text()) if step is not None else {}
+    listing = step.last_compiled.as_text() if step is not None else ""
+    ops = kernel_ops(listing)
+    LISTINGS[f"{workload} {variant}"] = listing
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(STEPS):
             run()
@@ -58,7 +91,7 @@ def kernel_table(workload: str, variant: str) -> tuple[float, list[tuple[str, fl
     rows = sorted(((k, time[k], count[k] / STEPS) for k in time), key=lambda r: -r[1])
     del run
     torch._dynamo.reset()
-    return sum(time.values()), rows, ops
+    return wall, sum(time.values()), rows, ops
 
 
 def main() -> None:
@@ -66,19 +99,40 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--variants", nargs="+", default=["sg-static", "sg-fuse"], choices=list(VARIANTS))
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--json", help="also write every kernel's row, per workload and variant, here")
+    parser.add_argument("--listing", help="write each as_text() to LISTING-<workload>-<variant>.txt")
     args = parser.parse_args()
+    everything: dict[str, dict] = {}
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     for workload in args.workloads:
         for variant in args.variants:
-            total, rows, ops = kernel_table(workload, variant)
+            wall, total, rows, ops = kernel_table(workload, variant)
             launches = sum(r[2] for r in rows)
             print(f"\n### {workload}, {VARIANTS[variant][0]}: {total:.3f} GPU ms per step, {launches:.0f} kernels\n")
+            by_kind: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+            for name, ms, n in rows:
+                by_kind[kind_of(name)][0] += ms
+                by_kind[kind_of(name)][1] += n
+            kinds = ", ".join(f"{k} {ms:.3f} ({n:g})" for k, (ms, n) in sorted(by_kind.items(), key=lambda i: -i[1][0]))
+            print(f"wall {wall:.3f} ms per step; kernels busy {total:.3f}; idle {wall - total:.3f}")
+            print(f"by kind, ms (launches): {kinds}\n")
+            everything[f"{workload} {variant}"] = {
+                "wall_ms": wall,
+                "gpu_ms": total,
+                "kernels": [{"name": k, "ms": ms, "launches": n, "ops": ops.get(k, "")} for k, ms, n in rows],
+            }
             print("| kernel | ms per step | % | launches per step | ATen ops (generated kernels) |")
             print("|---|---|---|---|---|")
             for name, ms, n in rows[: args.top]:
                 computes = ops.get(name, "")[:100]
                 print(f"| `{name[:90]}` | {ms:.3f} | {100 * ms / total:.1f} | {n:g} | {computes} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(everything, f, indent=1)
+    for key, text in LISTINGS.items() if args.listing else ():
+        with open(f"{args.listing}-{key.replace(' ', '-')}.txt", "w") as f:
+            f.write(text)
 
 
 if __name__ == "__main__":
