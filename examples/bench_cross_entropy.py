@@ -19,9 +19,9 @@ Each row is captured in a CUDA graph of 5 calls and replayed; median ms per call
 from __future__ import annotations
 
 import functools
-import statistics
 
 import torch
+from bench_gelu_mlp import graphed_ms
 
 from sgraph._src.kernels import cross_entropy_rows as rows_module
 from sgraph._src.kernels import linear_cross_entropy as lce
@@ -29,25 +29,8 @@ from sgraph._src.kernels import linear_cross_entropy as lce
 SHAPES = {"gpt-mini": (32 * 256, 512, 8192), "gpt-med": (16 * 1024, 1024, 32768)}
 
 
-def per_call_ms(fn, calls: int = 5, replays: int = 10) -> float:  # type: ignore[no-untyped-def]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # warm-up (Triton compiles, cuBLAS picks) outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) / calls)
-    return statistics.median(times)
+def per_call_ms(fn) -> float:  # type: ignore[no-untyped-def]
+    return graphed_ms(fn, (), calls=5, replays=10)[0]
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -248,6 +248,17 @@ VARIANTS: dict[str, tuple[str, Callable[[str], Callable[[], None]]]] = {
 SGRAPH = [k for k in VARIANTS if k.startswith("sg-")]
 
 
+def event_times(run: Callable[[], None], steps: int) -> list[float]:
+    """ms of each of ``steps`` calls, from CUDA events recorded around each."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    for begin, end in events:
+        begin.record()
+        run()
+        end.record()
+    torch.cuda.synchronize()
+    return [b.elapsed_time(e) for b, e in events]
+
+
 def measure(make: Callable[[str], Callable[[], None]], workload: str, steps: int) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
@@ -263,13 +274,7 @@ def measure(make: Callable[[str], Callable[[], None]], workload: str, steps: int
     first = time.perf_counter() - start - BUILD_SECONDS[0]  # building the model is not the call's
     for _ in range(4):
         run()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-    for begin, end in events:
-        begin.record()
-        run()
-        end.record()
-    torch.cuda.synchronize()
-    times = [b.elapsed_time(e) for b, e in events]
+    times = event_times(run, steps)
     result = {
         "ms": statistics.median(times),
         "peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20,

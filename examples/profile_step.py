@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 from collections import defaultdict
 
 import torch
-from benchmark import VARIANTS, WORKLOADS
+from benchmark import VARIANTS, WORKLOADS, event_times
 from torch.profiler import ProfilerActivity, profile
 
 STEPS = 5
@@ -55,17 +56,6 @@ def kind_of(name: str) -> str:
     return next((kind for kind, pattern in KINDS if pattern.search(name)), "other")
 
 
-def wall_ms(run, steps: int = 20) -> float:
-    """Median ms per step from CUDA events around each call, as benchmark.py times it."""
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-    for begin, end in events:
-        begin.record()
-        run()
-        end.record()
-    torch.cuda.synchronize()
-    return sorted(b.elapsed_time(e) for b, e in events)[steps // 2]
-
-
 def kernel_table(workload: str, variant: str) -> tuple[float, float, list[tuple[str, float, float]], dict[str, str]]:
     """Wall ms per step; GPU ms per step in total; (kernel, ms per step, launches per
     step), most time first; and, under sg.fuse, the ATen ops of each generated kernel."""
@@ -73,7 +63,7 @@ def kernel_table(workload: str, variant: str) -> tuple[float, float, list[tuple[
     for _ in range(5):
         run()
     torch.cuda.synchronize()
-    wall = wall_ms(run)
+    wall = statistics.median(event_times(run, 20))  # as benchmark.py times a step
     step = getattr(run, "step", None)  # compiled by the first call: its kernel list is there now
     listing = step.last_compiled.as_text() if step is not None else ""
     ops = kernel_ops(listing)
