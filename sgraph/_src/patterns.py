@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +50,28 @@ _RESHAPES = {
 }
 
 
+_W = TypeVar("_W", bound="_Watching")
+
+
+class _Watching:
+    """A remembered producer with ``watched``: the tensors on the way with their version
+    counters when noted. The own kernels compute from the way's start again, so an
+    in-place write to any of them before the pattern completes (``logits.mul_(2)``,
+    ``h.mul_(2)``) means the kernel would not compute what the code did."""
+
+    watched: tuple[tuple[torch.Tensor, int], ...]
+
+    def unchanged(self) -> bool:
+        """Whether none of the watched tensors was written in place since."""
+        return all(t._version == version for t, version in self.watched)
+
+    def through(self: _W, out: torch.Tensor) -> _W:
+        """The same producer after the op (a reshape, a cast, the GELU) that made ``out``."""
+        return dataclasses.replace(self, watched=self.watched + _watch(out))  # type: ignore[type-var]
+
+
 @dataclass(frozen=True)
-class _Logits:
+class _Logits(_Watching):
     """Where a tensor of logits came from: ``x @ W.T``, computed in ``dtype`` (the
     autocast dtype, if autocast was on for that matmul). ``weight`` is ``W`` when the
     step named it (``F.linear(x, W)``, ``x @ W.T``); otherwise the matmul's ``right``
@@ -61,17 +81,7 @@ class _Logits:
     right: torch.Tensor | None
     weight: torch.Tensor | None
     dtype: torch.dtype
-    # The tensors from ``x`` to these logits with their version counters when noted: an
-    # in-place write to any of them (``logits.mul_(2)``) before the loss means the own
-    # kernel, which computes from ``x`` and ``W`` again, would not compute what the code did.
-    watched: tuple[tuple[torch.Tensor, int], ...] = ()
-
-    def unchanged(self) -> bool:
-        return _unchanged(self.watched)
-
-    def through(self, out: torch.Tensor) -> _Logits:
-        """The same logits after a reshape or cast that made ``out``."""
-        return dataclasses.replace(self, watched=self.watched + _watch(out))
+    watched: tuple[tuple[torch.Tensor, int], ...]  # from ``x`` to these logits
 
     def weight_rows(self) -> torch.Tensor:
         """``W``, ``[classes, features]``."""
@@ -156,11 +166,6 @@ def _watch(*tensors: torch.Tensor | None) -> tuple[tuple[torch.Tensor, int], ...
     return tuple((t, t._version) for t in tensors if t is not None)
 
 
-def _unchanged(watched: tuple[tuple[torch.Tensor, int], ...]) -> bool:
-    """Whether none of the watched tensors was written in place since."""
-    return all(t._version == version for t, version in watched)
-
-
 def _arg(args: Any, kwargs: dict[str, Any], index: int, name: str) -> Any:
     return args[index] if len(args) > index else kwargs.get(name)
 
@@ -198,26 +203,16 @@ _LINEAR_SIGNATURE = ("input", "weight", "bias")
 
 
 @dataclass(frozen=True)
-class _Hidden:
+class _Hidden(_Watching):
     """``h = F.linear(x, weight, bias)`` (and then ``g = gelu_tanh(h)``): what the second
-    linear of an MLP needs to run both on :func:`gelu_mlp`. ``watched`` holds ``x``, the
-    weights, ``h`` (and ``g``) with their version counters when made: an in-place write
-    to any of them before the second linear (``h.mul_(2)``) means the own kernel, which
-    computes from ``x`` and the weights again, would not compute what the code did."""
+    linear of an MLP needs to run both on :func:`gelu_mlp`."""
 
     x: torch.Tensor
     weight: torch.Tensor
     bias: torch.Tensor | None
     dtype: torch.dtype
     autocast: bool
-    watched: tuple[tuple[torch.Tensor, int], ...]
-
-    def unchanged(self) -> bool:
-        return _unchanged(self.watched)
-
-    def through(self, g: torch.Tensor) -> _Hidden:
-        """The same MLP after the GELU that made ``g``."""
-        return dataclasses.replace(self, watched=self.watched + _watch(g))
+    watched: tuple[tuple[torch.Tensor, int], ...]  # ``x``, the weights, ``h`` (and ``g``)
 
 
 class GeluMlpMode(TorchFunctionMode):
