@@ -26,17 +26,22 @@ STEPS = 5
 
 
 _LISTED = re.compile(r"^\s+#\d+ (\S+)(?: \(\d+ kernels\))?: (.*)$")
+_IN_BLOCK = re.compile(r"^\s+(\w+)\.(\d+) (\S+)$")
 
 
 def kernel_ops(text: str) -> dict[str, str]:
     """Kernel name -> the ATen ops it computes, read from the kernel list that ends
-    ``Compiled.as_text()`` under ``sg.fuse`` (a kernel called more than once: its first call)."""
+    ``Compiled.as_text()`` under ``sg.fuse`` (a kernel called more than once: its first
+    call); a kernel of a repeated block's code -> the block and its place there (the
+    listing names no ops for those)."""
     start = text.find("kernels (")
     found: dict[str, str] = {}
     for line in text[start:].splitlines()[1:] if start >= 0 else ():
         match = _LISTED.match(line)
         if match is not None:
             found.setdefault(match.group(1), match.group(2))
+        elif (inside := _IN_BLOCK.match(line)) is not None:
+            found.setdefault(inside.group(3), f"(call {inside.group(2)} of block code {inside.group(1)})")
     return found
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "GPT",
     "GPTConfig",
     "SMALL_GPT",
+    "bf16_gpt_steps",
     "cuda_bf16_autocast",
     "gpt_loss",
     "mlp",
@@ -62,6 +63,18 @@ def small_model_and_batches(kind, n=8, device="cuda"):
 def cuda_bf16_autocast(enabled):
     """For ``train_step_fn(autocast=...)``: ``torch.autocast`` to bfloat16 on CUDA, switched on or off."""
     return functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16, enabled=enabled)
+
+
+def bf16_gpt_steps(n):
+    """The GPU tests' GPT under bf16 autocast, for comparing ``sg.static(sg.fuse(...))`` with eager:
+    the model, ``n`` batches, cloned params, an AdamW, the plain train step and that step
+    fused and captured, params and optimizer state donated."""
+    model, batches, loss = small_model_and_batches("gpt", n)
+    apply, params, _ = sg.functional(model)
+    params = {k: v.clone() for k, v in params.items()}
+    opt = sg.optim.adamw(1e-3, weight_decay=0.01)
+    plain = train_step_fn(apply, loss, opt, autocast=cuda_bf16_autocast(True))
+    return model, batches, params, opt, plain, sg.static(sg.fuse(plain), donate=("params", "opt_state"))
 
 
 def train_step_fn(apply, loss, opt, *, autocast=contextlib.nullcontext):

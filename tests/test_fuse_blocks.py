@@ -272,11 +272,22 @@ def test_tiny_gpt_with_reused_blocks_trains_like_eager():
     # the donated buffers): no in-place ATen op keeps the step from entering below AOTAutograd
     assert stats.inductor_entry == "direct"
     text = compiled.as_text()
-    listing = text[text.index("kernels (") :].splitlines()[1:]
+    listing = text[text.index("kernels (") : text.index("  block code")].splitlines()[1:]
     blocks = [line for line in listing if "subgraph" in line]
     assert len(blocks) == 4, text[-2000:]
     inner = sum(int(line.split("(")[1].split()[0]) for line in blocks)  # "#2 repeated_subgraph0 (8 kernels): ..."
     assert stats.kernels_fused is not None and stats.kernels_fused > inner
+    # each block's shared code is listed once, with its kernel calls: as many as each call of it counts
+    codes = text[text.index("  block code") :].split("  block code ")[1:]
+    assert len(codes) == 2, text[-3000:]
+    for code in codes:
+        head, *calls = code.strip().splitlines()
+        name = head.split()[0]
+        assert head.startswith(f"{name} (2 calls per step)"), head
+        per_call = {int(line.split("(")[1].split()[0]) for line in blocks if f" {name} (" in line}
+        assert per_call == {len(calls)}, (per_call, calls)
+        assert all(line.split()[0] == f"{name}.{i}" for i, line in enumerate(calls, 1)), calls
+        assert any(line.split()[1].startswith(("cpp_fused", "triton_")) for line in calls), calls
     assert "reuse_blocks=False" in repr(sg.fuse(reuse_blocks=False)(step))
     with pytest.raises(sg.ArgumentTypeError, match="reuse_blocks must be True or False"):
         sg.fuse(reuse_blocks=1)(step)

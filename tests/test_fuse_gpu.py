@@ -7,7 +7,15 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from models_for_tests import GPT, GPTConfig, cuda_bf16_autocast, gpt_loss, small_model_and_batches, train_step_fn
+from models_for_tests import (
+    GPT,
+    GPTConfig,
+    bf16_gpt_steps,
+    cuda_bf16_autocast,
+    gpt_loss,
+    small_model_and_batches,
+    train_step_fn,
+)
 
 import sgraph as sg
 
@@ -158,12 +166,7 @@ def test_the_update_reads_bf16_weight_grads_with_the_own_kernel_in_the_graph():
     losses as eager's. (Own kernel on and off are not compared param by param: the two
     graphs fuse the backward differently, and Adam turns a last-bit difference of a
     near-zero bf16 gradient into one of O(lr).)"""
-    model, batches, loss = small_model_and_batches("gpt", 20)
-    apply, params, _ = sg.functional(model)
-    params = {k: v.clone() for k, v in params.items()}
-    opt = sg.optim.adamw(1e-3, weight_decay=0.01)
-    plain = train_step_fn(apply, loss, opt, autocast=cuda_bf16_autocast(True))
-    fused = sg.static(sg.fuse(plain), donate=("params", "opt_state"))
+    _, batches, params, opt, plain, fused = bf16_gpt_steps(20)
     off = sg.static(sg.fuse(kernels=("linear_cross_entropy",))(plain), donate=("params", "opt_state"))
     state = opt.init(params)
     update = torch.ops.sgraph.adamw_.default

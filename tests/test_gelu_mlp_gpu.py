@@ -123,16 +123,9 @@ def test_a_gpt_step_runs_its_mlps_on_cublaslt_inside_the_cuda_graph(monkeypatch)
     eager's over 20 steps."""
     import copy
 
-    from models_for_tests import cuda_bf16_autocast, small_model_and_batches, train_step_fn
+    from models_for_tests import bf16_gpt_steps
 
-    import sgraph as sg
-
-    model, batches, loss = small_model_and_batches("gpt", 20)
-    apply, params, _ = sg.functional(model)
-    params = {k: v.clone() for k, v in params.items()}
-    opt = sg.optim.adamw(1e-3, weight_decay=0.01)
-    plain = train_step_fn(apply, loss, opt, autocast=cuda_bf16_autocast(True))
-    fused = sg.static(sg.fuse(plain), donate=("params", "opt_state"))
+    model, batches, params, opt, plain, fused = bf16_gpt_steps(20)
     state = opt.init(params)
     ops = [str(n.target) for n in fused.lower(params, state, batches[0]).program.ops()]
     blocks = len(model.blocks)

@@ -363,7 +363,8 @@ class Compiled(_Stage):
     def as_text(self) -> str:
         """The listing of :meth:`Program.as_text`; under ``sg.fuse`` each op also names the
         generated kernel call(s) computing it (``#3 triton_per_fused_...``), and the
-        kernels follow, in the order they run, with the ops each one computes."""
+        kernels follow, in the order they run, with the ops each one computes; then the
+        kernel calls inside each repeated block's shared code (``sg.fuse(reuse_blocks=True)``)."""
         fused = self._fused
         if fused is None or not fused.kernels.of_node:
             return self.program.as_text()
@@ -372,6 +373,9 @@ class Compiled(_Stage):
         for kernel in fused.kernels.kernels:
             ops = ", ".join(f"%{n}" for n in kernel.nodes[:8]) + (" ..." if len(kernel.nodes) > 8 else "")
             lines.append(f"    {kernel.label}: {ops}")
+        for block in fused.kernels.blocks:  # Inductor's record does not say which of a block's nodes each kernel runs
+            lines.append(f"  block code {block.name} ({block.calls} calls per step), its kernel calls:")
+            lines += [f"    {block.name}.{i} {name}" for i, name in enumerate(block.kernels, 1)]
         return "\n".join(lines)
 
 

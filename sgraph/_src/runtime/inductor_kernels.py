@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Kernel", "KernelMap", "kernel_map"]
+__all__ = ["BlockCode", "Kernel", "KernelMap", "kernel_map"]
 
 
 @dataclass(frozen=True)
@@ -35,13 +35,26 @@ class Kernel:
 
 
 @dataclass(frozen=True)
+class BlockCode:
+    """The shared code of a repeated block: its name in the generated source, how many
+    times one step calls it, and the kernel calls one run of it makes, in order
+    (a block called from inside it: that block's name, its kernels listed under it)."""
+
+    name: str
+    calls: int
+    kernels: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class KernelMap:
     """The kernel calls of one compiled step (``count`` of them per call; ``None``
-    when unknown) and, per Program node name, the calls that compute it."""
+    when unknown), per Program node name the calls that compute it, and the code of
+    the repeated blocks those calls include."""
 
     kernels: tuple[Kernel, ...] = ()
     count: int | None = None
     of_node: dict[str, tuple[Kernel, ...]] = field(default_factory=dict)
+    blocks: tuple[BlockCode, ...] = ()
 
 
 def kernel_map(compiled: Any, blocks: Sequence[tuple[str, str, tuple[str, ...]]] = ()) -> KernelMap:
@@ -100,8 +113,12 @@ def _provenance(graph: Any) -> tuple[dict[str, list[str]], dict[str, list[str]]]
     return pre, code
 
 
-_CALL = re.compile(r"^\s+(?:(\w+)\.run\(|(extern_kernels\.\w+)\(|(cpp_fused_\w+)\(|(torch\.ops\.\w+\.[\w.]+))", re.M)
-"""A kernel call of the generated code; its one matching group is the kernel's name."""
+_CALL = re.compile(
+    r"^[ \t]+(?:\w+ = )?(?:(\w+)\.run\(|(extern_kernels\.\w+)\(|(cpp_fused_\w+)\(|(torch\.ops\.\w+\.[\w.]+)\()", re.M
+)
+"""A kernel call of the generated code (an op's result may be assigned: ``buf8 =
+torch.ops.aten._scaled_dot_product_cudnn_attention.default(...)``); its one matching
+group is the kernel's name."""
 _SUBGRAPH_CALL = re.compile(r"^\s+\w+ = (\w+)\(\1_args\)", re.M)
 _DEF = re.compile(r"^\s*def (\w+)\(", re.M)
 
@@ -143,7 +160,33 @@ def _with_blocks(graph: Any, blocks: Sequence[tuple[str, str, tuple[str, ...]]])
     for kernel in kernels:
         for node in kernel.nodes:
             of_node.setdefault(node, []).append(kernel)
-    return KernelMap(tuple(kernels), count, {k: tuple(v) for k, v in of_node.items()})
+    return KernelMap(tuple(kernels), count, {k: tuple(v) for k, v in of_node.items()}, _block_codes(bodies))
+
+
+def _block_codes(bodies: dict[str, str]) -> tuple[BlockCode, ...]:
+    """Each block code the step calls (directly or from another block), with its
+    calls per step and its own kernel calls in order."""
+    calls: dict[str, int] = {}
+
+    def visit(name: str, times: int, depth: int) -> None:
+        for sub in _SUBGRAPH_CALL.finditer(bodies.get(name, "")):
+            if sub.group(1) in bodies and depth < 8:
+                calls[sub.group(1)] = calls.get(sub.group(1), 0) + times
+                visit(sub.group(1), times, depth + 1)
+
+    visit("call", 1, 0)
+    found = []
+    for name, times in calls.items():
+        names = []
+        for line in bodies[name].splitlines():
+            sub = _SUBGRAPH_CALL.match(line)
+            found_call = None if sub is not None else _CALL.match(line)
+            if sub is not None and sub.group(1) in bodies:
+                names.append(sub.group(1))
+            elif found_call is not None:
+                names.append(next(g for g in found_call.groups() if g))
+        found.append(BlockCode(name, times, tuple(names)))
+    return tuple(found)
 
 
 def _bodies(source: str) -> dict[str, str]:
