@@ -91,6 +91,7 @@ def _inductor_settings():
         config.max_autotune,
         config.trace.provenance_tracking_level,
         config.triton.cudagraphs,
+        getattr(config.triton, "mix_order_reduction", None),
         functorch_config.enable_autograd_cache,
         getattr(torch.fx.config, "do_not_emit_stack_traces", None),  # not in torch 2.11
     )
@@ -188,6 +189,23 @@ def test_the_compile_goes_through_inductors_persistent_caches(run):
 
 def test_inductor_settings_are_patched_only_while_compiling(run):
     assert run["config_before"] == run["config_after"]
+
+
+def test_the_compile_settings_hold_inside_the_patch_only():
+    """sgraph owns the CUDA graph and finishes no reduction outside a kernel (Inductor's
+    mix-order LayerNorm backward leaves its column sums to ATen): set while compiling,
+    the user's values before and after."""
+    from torch._inductor import config
+
+    from sgraph._src.options import FuseOptions
+    from sgraph._src.runtime.inductor import inductor_config
+
+    before = _inductor_settings()
+    with config.patch({"triton.cudagraphs": True, "triton.mix_order_reduction": True}):
+        with inductor_config(FuseOptions()):
+            assert config.triton.cudagraphs is False and config.triton.mix_order_reduction is False
+        assert config.triton.cudagraphs is True and config.triton.mix_order_reduction is True
+    assert _inductor_settings() == before
 
 
 def test_user_compile_afterwards_is_unaffected(run):

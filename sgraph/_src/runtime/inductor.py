@@ -361,6 +361,12 @@ def inductor_config(options: FuseOptions) -> Iterator[None]:
         # column sum over 32768 columns had shared one XBLOCK): gpt-mini 4.225 -> 4.060 ms
         # on the H200, gpt-med unchanged within noise
         "combo_kernel_per_subkernel_blocks": True,
+        # A LayerNorm backward's dgamma / dbeta column sums, fused into its row kernel,
+        # leave partial sums that an ATen reduction outside the kernel finishes: 50 such
+        # launches per gpt-med step took 0.42 ms on the H200, more than the fusion
+        # saved (the step's non-matmul kernels 6.83 -> 6.40 ms without it; gpt-mini
+        # does not use it)
+        "triton.mix_order_reduction": False,
         "emulate_precision_casts": True,  # round low-precision intermediates where eager would
         "trace.provenance_tracking_level": 1,  # which node went into which kernel
     }
