@@ -288,6 +288,9 @@ def test_tiny_gpt_with_reused_blocks_trains_like_eager():
         assert per_call == {len(calls)}, (per_call, calls)
         assert all(line.split()[0] == f"{name}.{i}" for i, line in enumerate(calls, 1)), calls
         assert any(line.split()[1].startswith(("cpp_fused", "triton_")) for line in calls), calls
+    # library ops whose result the generated code assigns (``buf8 = torch.ops.aten...``) count as calls
+    called = [line.split()[1] for code in codes for line in code.strip().splitlines()[1:]]
+    assert sum(name.startswith("torch.ops.aten._scaled_dot_product") for name in called) == 2, called
     assert "reuse_blocks=False" in repr(sg.fuse(reuse_blocks=False)(step))
     with pytest.raises(sg.ArgumentTypeError, match="reuse_blocks must be True or False"):
         sg.fuse(reuse_blocks=1)(step)
