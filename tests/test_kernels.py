@@ -202,6 +202,60 @@ def test_adamw_lists_kernel_matches_atens_fused_adamw(device, grad_dtypes, weigh
             torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_adamw_lists_kernel_writes_out_of_place_as_in_place(device):
+    """With ``out`` the kernel leaves its inputs alone and writes exactly what the
+    in-place update writes (the new tensors allocated in the reverse order of the
+    leaves, so their places from the first leaf's are negative)."""
+    pytest.importorskip("triton")
+    from sgraph._src.kernels.adamw_lists import adamw_lists_
+
+    params, grads, mu, nu = adamw_leaves(device, (torch.bfloat16, torch.float32), seed=2)
+    inputs = [[t.clone() for t in ts] for ts in (params, grads, mu, nu)]
+    out = tuple([torch.empty_like(t) for t in reversed(ts)][::-1] for ts in (params, mu, nu))
+    step, lr = torch.tensor(2.0, device=device), torch.tensor(1e-2, device=device)
+    adamw_lists_(params, grads, mu, nu, step, lr, 0.9, 0.999, 1e-8, 0.1, out=out)
+    for actual, before in zip((params, grads, mu, nu), inputs):
+        for a, b in zip(actual, before):
+            assert torch.equal(a, b)
+    adamw_lists_(params, grads, mu, nu, step, lr, 0.9, 0.999, 1e-8, 0.1)
+    for written, in_place in zip(out, (params, mu, nu)):
+        for a, b in zip(written, in_place):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_functional_adamw_op_writes_new_tensors_without_copying_its_inputs(device, monkeypatch):
+    """``sgraph::adamw`` (an update of inputs not donated) with bf16 grads: one launch
+    of the own kernel per grad dtype, writing the new tensors (no clones updated in
+    place); the inputs unchanged, the result ATen's fused AdamW's over fp32 grads."""
+    pytest.importorskip("triton")
+    from sgraph._src.kernels import adamw as op
+    from sgraph._src.kernels import adamw_lists
+
+    if device == "cpu":
+        monkeypatch.setattr(adamw_lists, "runs_here", lambda *leaves: True)
+    calls = []
+    original = adamw_lists.adamw_lists_
+    monkeypatch.setattr(adamw_lists, "adamw_lists_", lambda *a, **k: calls.append(k) or original(*a, **k))
+    params, grads, mu, nu = adamw_leaves(device, (torch.bfloat16, torch.float32), seed=3)
+    inputs = [[t.clone() for t in ts] for ts in (params, grads, mu, nu)]
+    expected = [[t.clone() for t in ts] for ts in (params, mu, nu)]
+    step, lr = torch.tensor(1.0, device=device), torch.tensor(1e-3, device=device)
+    op.adamw_(expected[0], [g.float() for g in grads], expected[1], expected[2], step, lr, 0.9, 0.99, 1e-8, 0.01)
+    calls.clear()
+    new = op.adamw(params, grads, mu, nu, step, lr, 0.9, 0.99, 1e-8, 0.01)
+    assert len(calls) == 1 and "out" in calls[0]
+    for actual, before in zip((params, grads, mu, nu), inputs):
+        for a, b in zip(actual, before):
+            assert torch.equal(a, b)
+    n = len(params)
+    for actual, reference in zip((new[:n], new[n : 2 * n], new[2 * n :]), expected):
+        for a, e in zip(actual, reference):
+            assert a.stride() == e.stride()
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_the_adamw_op_takes_low_precision_grads(device):
     """``sgraph::adamw_`` with bf16 grads for fp32 params (what sg.fuse hands it): the

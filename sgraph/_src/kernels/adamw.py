@@ -171,7 +171,18 @@ def adamw(
     weight_decay: float,
 ) -> list[Tensor]:
     """The functional AdamW update: returns ``new_params + new_mu + new_nu`` as one
-    list, each new tensor in the layout of the one it replaces (dense for a view)."""
+    list, each new tensor in the layout of the one it replaces (dense for a view).
+
+    Where the own kernel takes the leaves as they are, it writes the new tensors
+    directly (one pass, reading the inputs once); otherwise the inputs are cloned and
+    updated in place."""
+    leaves = list(zip(params, grads, mu, nu))
+    if any(g.dtype != p.dtype for p, g, _, _ in leaves) and all(_aligned(*leaf) for leaf in leaves):
+        if adamw_lists.runs_here(params, grads, mu, nu):
+            new_p, new_m, new_v = ([torch.empty_like(t) for t in ts] for ts in (params, mu, nu))
+            out = (new_p, new_m, new_v)
+            adamw_lists.adamw_lists_(params, grads, mu, nu, step, lr, b1, b2, eps, weight_decay, out=out)
+            return new_p + new_m + new_v
     p, m, v = ([t.clone() for t in ts] for ts in (params, mu, nu))
     adamw_(p, grads, m, v, step, lr, b1, b2, eps, weight_decay)
     return p + m + v

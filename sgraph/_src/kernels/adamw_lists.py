@@ -63,13 +63,18 @@ def adamw_lists_(
     b2: float,
     eps: float,
     weight_decay: float,
+    out: tuple[list[Tensor], list[Tensor], list[Tensor]] | None = None,
 ) -> None:
-    """One AdamW update in place, as ATen's fused AdamW computes it, for leaves whose
-    four tensors share one dense layout (each grad in any of its dtypes), one launch per
+    """One AdamW update, as ATen's fused AdamW computes it, for leaves whose four
+    tensors share one dense layout (each grad in any of its dtypes), one launch per
     grad dtype.
+
+    Written in place, or with ``out`` (new params, new mu, new nu, each tensor in the
+    layout of the one it replaces) into those, the inputs left as they were.
 
     Example:
         >>> adamw_lists_(params, bf16_grads, mu, nu, step, lr, 0.9, 0.999, 1e-8, 0.01)
+        >>> adamw_lists_(params, bf16_grads, mu, nu, step, lr, 0.9, 0.999, 1e-8, 0.01, out=(p2, m2, v2))
     """
     device = params[0].device
     kernel = _kernel(device.type != "cuda")
@@ -86,16 +91,15 @@ def adamw_lists_(
         firsts = [0]
         for n in sizes:
             firsts.append(firsts[-1] + -(-n // _CHUNK))
-        bases = [ts[leaves[0]] for ts in (params, grads, mu, nu)]
-        table = [
-            (ts[i].data_ptr() - base.data_ptr()) // base.element_size()
-            for ts, base in zip((params, grads, mu, nu), bases)
-            for i in leaves
-        ]
+        lists = (params, grads, mu, nu, *out) if out is not None else (params, grads, mu, nu)
+        bases = [ts[leaves[0]] for ts in lists]
+        table = [(ts[i].data_ptr() - b.data_ptr()) // b.element_size() for ts, b in zip(lists, bases) for i in leaves]
         table += sizes + firsts
+        written = bases[4:] if out is not None else [bases[0], bases[2], bases[3]]
         with on_device:
             kernel[(firsts[-1],)](
-                *bases,
+                *bases[:4],
+                *written,
                 _on_device(table, device),
                 len(leaves),
                 lr,
@@ -107,6 +111,7 @@ def adamw_lists_(
                 eps,
                 weight_decay,
                 GRAD=_triton_dtype(dtype),
+                OUT=out is not None,
                 GRAD_ALIGN=_ALIGN // bases[1].element_size(),
                 SEARCH=len(leaves).bit_length(),
                 BLOCK=_BLOCK,
