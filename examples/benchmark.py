@@ -135,9 +135,11 @@ def variant_sg_static(
     plan: dict | None = None,
     fuse_options: dict | None = None,
     inductor: dict | None = None,
+    donate: tuple[str, ...] = ("params", "opt_state"),
 ) -> Callable[[], None]:
     """``sg.static`` of the step (with ``sg.fuse`` and ``sg.plan_memory`` as asked); ``inductor``:
-    Inductor settings patched on top of sgraph's for the first call, which compiles."""
+    Inductor settings patched on top of sgraph's for the first call, which compiles;
+    ``donate``: the arguments donated (none: the step leaves its inputs alone)."""
     model, batch, loss = build(workload)
     apply, params, buffers = sg.functional(model)
     opt = sg.optim.adamw(LR, weight_decay=WEIGHT_DECAY)
@@ -156,7 +158,7 @@ def variant_sg_static(
 
     body = sg.fuse(**(fuse_options or {}))(step) if fuse else step
     body = sg.plan_memory(**plan)(body) if plan is not None else body
-    train_step = sg.static(body, donate=("params", "opt_state"))
+    train_step = sg.static(body, donate=donate)
 
     settings = [inductor_settings(inductor or {})]
 
@@ -200,6 +202,10 @@ VARIANTS: dict[str, tuple[str, Callable[[str], Callable[[], None]]]] = {
     "sg-fuse": (
         "sg.static + sg.fuse (generated kernels, one CUDA graph, a repeated block compiled once)",
         lambda w: variant_sg_static(w, fuse=True),
+    ),
+    "sg-fuse-no-donate": (
+        "sg.static + sg.fuse, nothing donated (params and state left as they were, new ones returned)",
+        lambda w: variant_sg_static(w, fuse=True, donate=()),
     ),
     "sg-fuse-inline": (
         "sg.static + sg.fuse(reuse_blocks=False) (every block compiled inline)",

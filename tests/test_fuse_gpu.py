@@ -189,3 +189,35 @@ def test_the_update_reads_bf16_weight_grads_with_the_own_kernel_in_the_graph():
         torch.cuda.synchronize()
     names = {e.name for e in prof.events()}
     assert any("adamw_lists" in n for n in names), sorted(names)
+
+
+def test_an_update_of_inputs_not_donated_writes_new_tensors_from_the_own_kernel():
+    """Nothing donated under bf16 autocast: the functional update (``sgraph::adamw``) runs
+    the own kernel out of place inside the graph, writing the new params and moments
+    without first cloning the old ones (no copy kernel per leaf); every call leaves the
+    params and state it was given as they were, and the losses follow eager's."""
+    _, batches, params, opt, plain, _ = bf16_gpt_steps(12)
+    kept = sg.static(sg.fuse(plain))
+    state = opt.init(params)
+    nodes = kept.lower(params, state, batches[0]).program.graph.nodes
+    assert any(n.target is torch.ops.sgraph.adamw.default for n in nodes)
+    assert not any(n.target is torch.ops.sgraph.adamw_.default for n in nodes)
+    eager_params, eager_state = copy.deepcopy(params), copy.deepcopy(state)
+    losses, eager = [], []
+    for batch in batches:
+        before = copy.deepcopy((params, state))
+        new_params, new_state, metrics = kept(params, state, batch)
+        assert all(torch.equal(a, b) for a, b in zip(sg.tree.leaves((params, state)), sg.tree.leaves(before)))
+        params, state = new_params, new_state
+        eager_params, eager_state, eager_metrics = plain(eager_params, eager_state, batch)
+        losses.append(metrics["loss"])
+        eager.append(eager_metrics["loss"])
+    torch.testing.assert_close(torch.stack(losses), torch.stack(eager), rtol=1e-2, atol=0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        kept(params, state, batches[0])
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    assert any("adamw_lists" in n for n in names), sorted(set(names))
+    leaves = len(sg.tree.leaves(params))
+    copies = [n for n in names if "Memcpy DtoD" in n or "direct_copy_kernel" in n]  # what a clone runs
+    assert len(copies) < leaves, (len(copies), leaves)  # not 3 per leaf (param and moments cloned)
