@@ -288,3 +288,19 @@ def test_decorator_forms_and_option_validation():
         sg.static(_simple_step, donate="opt_state")
     with pytest.raises(ValueError, match="applied twice"):
         sg.static(sg.static(_simple_step))
+
+
+def test_copy_lists_copies_each_pair_whatever_the_mix_of_dtypes():
+    """The runtime's grouped copy (one multi-tensor copy per dtype pair): every target
+    gets its own source's values, casts included, in lists that mix dtypes."""
+    from sgraph._src.runtime.eager import copy_lists
+
+    g = torch.Generator().manual_seed(0)
+    sources = [torch.randn(5, generator=g), torch.arange(4), torch.randn(3, 2, generator=g).bfloat16()]
+    sources += [torch.randn(7, generator=g), torch.tensor(True), torch.randn(2, generator=g)]
+    targets = [torch.empty_like(s) for s in sources]
+    targets[-1] = torch.empty(2, dtype=torch.float64)  # a cast
+    copy_lists(targets, sources)
+    for t, s in zip(targets, sources):
+        assert t.dtype != s.dtype or torch.equal(t, s)
+    assert torch.equal(targets[-1], sources[-1].double())

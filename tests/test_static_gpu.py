@@ -153,6 +153,36 @@ def test_an_output_from_step_k_is_unchanged_after_step_k_plus_1():
     assert float(second["w_sum"]) == 32.0
 
 
+def test_inputs_and_outputs_of_mixed_dtypes_are_copied_in_one_kernel_per_dtype():
+    """Nothing donated: before each replay the inputs (fp32, bf16 and int64 leaves) are
+    copied into the graph's buffers, after it the outputs out of them, a multi-tensor
+    copy per dtype each way, not a copy per tensor; every call's results are its own
+    and equal the eager step's."""
+
+    def fn(params, tokens):
+        new = {k: v * 0.5 + tokens.float().mean() for k, v in params.items()}
+        return new, {"count": tokens.sum(), "half": params["h0"] * 2}
+
+    step = sg.static(fn)
+    params = {f"w{i}": torch.randn(16, 8, device="cuda") for i in range(20)}
+    params |= {f"h{i}": torch.randn(8, device="cuda").bfloat16() for i in range(10)}
+    results = []
+    for i in range(4):
+        tokens = torch.arange(i, i + 6, device="cuda")
+        results.append((step(params, tokens), fn(params, tokens)))
+        params = results[-1][0][0]
+    for got, expected in results:  # earlier results survive the later replays
+        for a, b in zip(sg.tree.leaves(got), sg.tree.leaves(expected)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step(params, tokens)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    per_tensor = [n for n in names if "Memcpy DtoD" in n or "direct_copy_kernel" in n]
+    assert len(per_tensor) <= 2, per_tensor  # (a one-tensor group, int64 tokens or the count, may use one)
+    assert sum("multi_tensor_apply" in n for n in names) >= 2
+
+
 def test_outputs_view_mode_hands_out_graph_buffers():
     step = sg.static(lambda x: x * 2, outputs="view")
     step(torch.ones(4, device="cuda"))  # the first call runs eagerly, then captures

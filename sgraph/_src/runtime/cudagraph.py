@@ -34,7 +34,7 @@ from ..capture import SOURCE_KEY
 from ..errors import CaptureError, FallbackWarning, RetraceWarning, SgraphWarning, StaleBufferError
 from ..options import StaticOptions
 from ..program import Program, placeholders, returned
-from .eager import write_back
+from .eager import copy_lists, write_back
 from .graph_nodes import count_kernels, new_graph
 from .keepalive import kept_with
 
@@ -82,14 +82,17 @@ class CudaGraphExecutable:
             if self.graph is None or self._donated_moved(inputs):
                 return self._run_then_capture(inputs)
             if self.static_inputs:
-                torch._foreach_copy_(self.static_buffers, [inputs[i] for i in self.static_inputs])
+                copy_lists(self.static_buffers, [inputs[i] for i in self.static_inputs])
             self.graph.replay()
             return self._outputs(inputs)
 
     def _outputs(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         results = list(self.static_outputs)
-        for i in self.copied_outputs:
-            results[i] = results[i].clone()
+        if self.copied_outputs:
+            copies = [torch.empty_like(results[i]) for i in self.copied_outputs]
+            copy_lists(copies, [results[i] for i in self.copied_outputs])
+            for i, copy in zip(self.copied_outputs, copies):
+                results[i] = copy
         for i, p in self.placeholder_outputs.items():
             results[i] = inputs[p]
         return results

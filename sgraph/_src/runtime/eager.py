@@ -9,7 +9,7 @@ import torch
 
 from ..program import Program
 
-__all__ = ["EagerExecutable", "write_back"]
+__all__ = ["EagerExecutable", "copy_lists", "write_back"]
 
 
 class EagerExecutable:
@@ -39,3 +39,20 @@ def write_back(inputs: Sequence[torch.Tensor], outputs: list[torch.Tensor], alia
         torch._foreach_copy_([t for t, _ in pairs], [s for _, s in pairs])
     for out, into in aliases:
         outputs[out] = inputs[into]
+
+
+def copy_lists(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    """``targets[i].copy_(sources[i])`` for all ``i``, one multi-tensor copy per dtype.
+
+    ATen's ``_foreach_copy_`` takes its one-kernel path on a GPU only for lists of one
+    dtype (one int64 batch among fp32 params sends every tensor to a copy of its own: a
+    launch each, which dominates the call of a small step). The copies of different
+    dtypes then run in another order than the lists', so no target may be read by
+    another pair's source (the graph's static buffers and fresh outputs are not)."""
+    groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for target, source in zip(targets, sources):
+        group = groups.setdefault((target.dtype, source.dtype), ([], []))
+        group[0].append(target)
+        group[1].append(source)
+    for group_targets, group_sources in groups.values():
+        torch._foreach_copy_(group_targets, group_sources)
