@@ -159,9 +159,10 @@ def test_inputs_and_outputs_of_mixed_dtypes_are_copied_in_one_kernel_per_dtype()
     copy per dtype each way, not a copy per tensor; every call's results are its own
     and equal the eager step's."""
 
-    def fn(params, tokens):
-        new = {k: v * 0.5 + tokens.float().mean() for k, v in params.items()}
-        return new, {"count": tokens.sum(), "half": params["h0"] * 2}
+    def fn(params, tokens):  # no cast or copy of its own (the graph's kernels are not counted apart)
+        total = tokens.sum()
+        new = {k: v * 0.5 + total for k, v in params.items()}
+        return new, {"count": total, "half": params["h0"] * 2}
 
     step = sg.static(fn)
     params = {f"w{i}": torch.randn(16, 8, device="cuda") for i in range(20)}
@@ -179,7 +180,7 @@ def test_inputs_and_outputs_of_mixed_dtypes_are_copied_in_one_kernel_per_dtype()
         torch.cuda.synchronize()
     names = [e.name for e in prof.events()]
     per_tensor = [n for n in names if "Memcpy DtoD" in n or "direct_copy_kernel" in n]
-    assert len(per_tensor) <= 2, per_tensor  # (a one-tensor group, int64 tokens or the count, may use one)
+    assert len(per_tensor) <= 2, per_tensor  # was one per tensor each way: 31 in, 32 out
     assert sum("multi_tensor_apply" in n for n in names) >= 2
 
 
