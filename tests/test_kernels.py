@@ -95,6 +95,33 @@ def test_cross_entropy_rows_kernel_matches_aten(device, dtype, classes, smoothin
     close(ref, out, dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_rows_with_masked_classes_match_aten(device, dtype):
+    """Logits masked to -inf (classes a model rules out): whole blocks of columns at the
+    start of a row, one at the end, single columns. Their probabilities and gradients are
+    zero and the rest of the row is as if they were not there, as in ATen."""
+    z, target, scale, eps = rows_case(device, dtype, 5000, 0.0)
+    z[0, :2500] = float("-inf")  # the row's first blocks all -inf, its target (0) too: an infinite loss
+    z[1, :2048] = float("-inf")
+    z[3, 4096:] = float("-inf")
+    z[4, ::3] = float("-inf")
+    target[4] = 16  # not a masked class
+    logits = z.float().clone().requires_grad_()
+    expected = F.cross_entropy(logits, target, reduction="none")
+    (expected[1:].sum() * scale[0]).backward()
+    out = z.clone()
+    losses = cross_entropy_rows_(out, target, scale, -100, eps)
+    assert losses[0].isinf() and expected[0].isinf()
+    torch.testing.assert_close(losses[1:], expected[1:].detach(), rtol=1e-5, atol=1e-5)
+    close(out[1:], logits.grad[1:].to(dtype), dtype)
+    assert not out[1, :2048].any() and not out[3, 4096:].any() and not out[4, ::3].any()
+    ref = z.clone()
+    ref_losses = cross_entropy_rows_reference(ref, target, scale, -100, eps)
+    torch.testing.assert_close(ref_losses[1:], losses[1:])
+    close(ref[1:], out[1:], dtype)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("reduction,smoothing", [("mean", 0.0), ("sum", 0.0), ("mean", 0.1)])

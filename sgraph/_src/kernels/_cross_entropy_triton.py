@@ -34,7 +34,12 @@ def cross_entropy_rows(
     bad = valid & ((y < 0) | (y >= n_cols))
     safe = tl.where(valid & ~bad, y, 0)
     z_y = tl.load(base + safe).to(tl.float32)
-    loss = lse - (1.0 - smoothing) * z_y - smoothing * tl.sum(total, 0) / n_cols
+    # Without smoothing the mean of the logits takes no part: not even as 0 * -inf (a
+    # masked class), which would make the loss NaN.
+    smoothed = 0.0
+    if smoothing != 0.0:
+        smoothed = smoothing * tl.sum(total, 0) / n_cols
+    loss = lse - (1.0 - smoothing) * z_y - smoothed
     loss = tl.where(bad, float("nan"), loss)
     tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
     g = tl.where(valid, tl.load(scale_ptr).to(tl.float32), 0.0)

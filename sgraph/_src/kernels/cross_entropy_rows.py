@@ -71,7 +71,8 @@ def cross_entropy_rows_reference(
     valid = target != ignore_index
     safe = torch.where(valid, target, torch.zeros_like(target))
     picked = zf.gather(1, safe[:, None])[:, 0]
-    losses = torch.where(valid, lse - (1 - smoothing) * picked - smoothing * zf.mean(1), 0.0)
+    smoothed = smoothing * zf.mean(1) if smoothing else 0.0  # no 0 * -inf where a class is masked
+    losses = torch.where(valid, lse - (1 - smoothing) * picked - smoothed, 0.0)
     grad = (zf - lse[:, None]).exp_().sub_(smoothing / classes)
     grad.scatter_add_(1, safe[:, None], torch.full_like(picked[:, None], -(1 - smoothing)))
     grad.mul_(torch.where(valid, scale.float(), 0.0)[:, None])
