@@ -91,13 +91,15 @@ def token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def batches(kind: str, n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(kind: str, device: str, n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     if kind == "decoder":
-        return [
+        made = [
             (torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)) for _ in range(n)
         ]
-    return [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)) for _ in range(n)]
+    else:
+        made = [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)) for _ in range(n)]
+    return [(x.to(device), y.to(device)) for x, y in made]
 
 
 def make_step(apply, loss, opt):  # type: ignore[no-untyped-def]
@@ -117,11 +119,30 @@ def make_step(apply, loss, opt):  # type: ignore[no-untyped-def]
     return step
 
 
-@pytest.fixture(scope="module", params=["decoder", "convnet"])
+def _cuda(kind: str) -> object:
+    return pytest.param(
+        (kind, "cuda"),
+        id=f"{kind}-cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+    )
+
+
+CASES = [
+    pytest.param(("decoder", "cpu"), id="decoder"),
+    pytest.param(("convnet", "cpu"), id="convnet"),
+    _cuda("decoder"),
+    _cuda("convnet"),
+]
+
+
+@pytest.fixture(scope="module", params=CASES)
 def run(request):  # type: ignore[no-untyped-def]
-    """Four donated steps of the model under sg.static(sg.fuse) and the same four eagerly."""
+    """Four donated steps of the model under sg.static(sg.fuse) and the same four eagerly
+    (on a GPU: in a CUDA graph, fp32 matmuls without TF32)."""
+    kind, device = request.param
     torch.manual_seed(0)
-    model, loss = (Decoder(), token_loss) if request.param == "decoder" else (ConvNet(), F.cross_entropy)
+    model, loss = (Decoder(), token_loss) if kind == "decoder" else (ConvNet(), F.cross_entropy)
+    model.to(device)
     apply, params, buffers = sg.functional(model)
     opt = sg.optim.adamw(1e-2, weight_decay=0.01)
     step = make_step(apply, loss, opt)
@@ -131,11 +152,12 @@ def run(request):  # type: ignore[no-untyped-def]
     ref = [sg.tree.map(torch.clone, params), sg.tree.map(torch.clone, buffers)]
     ref.append(opt.init(ref[0]))
     calls = []
-    for batch in batches(request.param):
-        *mine, metrics = fused(*mine, batch)
-        *ref, ref_metrics = step(*ref, batch)
-        calls.append((metrics["loss"], ref_metrics["loss"]))
-    return {"kind": request.param, "model": model, "fused": fused, "mine": mine, "ref": ref, "calls": calls}
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        for batch in batches(kind, device):
+            *mine, metrics = fused(*mine, batch)
+            *ref, ref_metrics = step(*ref, batch)
+            calls.append((metrics["loss"], ref_metrics["loss"]))
+    return {"kind": kind, "device": device, "model": model, "fused": fused, "mine": mine, "ref": ref, "calls": calls}
 
 
 def test_losses_match_eager_over_four_steps(run):
@@ -160,7 +182,8 @@ def test_the_step_was_compiled_once_and_fused(run):
     fused = run["fused"]
     assert fused.trace_count == 1
     stats = fused.last_compiled.stats
-    assert stats.runtime == "inductor" and stats.calls == 4
+    assert stats.runtime == ("inductor+cudagraph" if run["device"] == "cuda" else "inductor")
+    assert stats.calls == 4
     assert 0 < stats.kernels_fused < stats.kernels_unfused, stats
 
 
@@ -170,7 +193,7 @@ def test_the_model_itself_is_untouched(run):
     torch.manual_seed(0)
     fresh = Decoder() if run["kind"] == "decoder" else ConvNet()
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(a.cpu(), b, rtol=0, atol=0, msg=name)
 
 
 def test_each_parameter_is_one_leaf(run):
