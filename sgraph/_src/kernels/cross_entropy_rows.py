@@ -1,7 +1,8 @@
 """Cross-entropy of a block of logit rows, with its gradient written over the logits.
 
 One Triton program per row reads the row twice: once for the log-sum-exp (an online
-max and sum of exponentials, in fp32) and the sum of the logits (for label
+max and sum of exponentials, in fp32; the max is the row's, updated once per block of
+columns, so each logit costs one exponential) and the sum of the logits (for label
 smoothing), once to overwrite the row with ``d loss / d logits``. The rows' losses
 go to a separate fp32 vector. With ``V`` classes, smoothing ``e``, target ``y`` and
 ``lse`` the log-sum-exp of the row ``z``:
@@ -33,9 +34,10 @@ __all__ = ["cross_entropy_rows_", "cross_entropy_rows_reference"]
 
 def launch(classes: int) -> tuple[int, int]:
     """Columns per step and warps per row, the fastest of a sweep on an H200
-    (docs/results/cross-entropy-rows-2026-12-02-h200.txt): 2048 and 8 for 16384 classes
-    or more, 1024 and 4 below (4096 and 8 were 5% slower on 32768 classes, 32% on 8192)."""
-    block, warps = (2048, 8) if classes >= 16384 else (1024, 4)
+    (docs/results/cross-entropy-rows-2026-12-03-h200.txt): 4096 and 8 for 16384 classes
+    or more (0.175 ms on gpt-med's chunk of 4096 x 32768 bf16 logits; 0.198 at 2048 and
+    4), 2048 and 4 below (0.087 ms on gpt-mini's 8192 x 8192; 0.090 at 4096 and 4)."""
+    block, warps = (4096, 8) if classes >= 16384 else (2048, 4)
     return min(block, 1 << max(classes - 1, 1).bit_length()), warps
 
 
