@@ -128,11 +128,11 @@ def adamw_(
     is the update number t (1, 2, ...), ``lr`` a 0-dim tensor; both may change between
     calls without recompiling."""
     (p, g, m, v), written = _paired(params, grads, mu, nu)
+    if _takes_own_kernel(p, g, m, v):
+        adamw_lists.adamw_lists_(p, g, m, v, step, lr, b1, b2, eps, weight_decay)
+        _write_back(written)
+        return
     if any(gi.dtype != pi.dtype for gi, pi in zip(g, p)):
-        if adamw_lists.runs_here(p, g, m, v):
-            adamw_lists.adamw_lists_(p, g, m, v, step, lr, b1, b2, eps, weight_decay)
-            _write_back(written)
-            return
         g = [gi.to(pi.dtype) for gi, pi in zip(g, p)]  # ATen's kernel takes one dtype
     torch._fused_adamw_(
         p,
@@ -150,6 +150,13 @@ def adamw_(
         maximize=False,
     )
     _write_back(written)
+
+
+def _takes_own_kernel(params: list[Tensor], grads: list[Tensor], mu: list[Tensor], nu: list[Tensor]) -> bool:
+    """Whether the update goes to the own multi-tensor kernel: some grad in another dtype
+    than its param (ATen's kernel takes one), on leaves the kernel runs on here (each
+    leaf's four tensors already in one dense layout)."""
+    return any(g.dtype != p.dtype for p, g in zip(params, grads)) and adamw_lists.runs_here(params, grads, mu, nu)
 
 
 def _write_back(written: list[tuple[Tensor, Tensor]]) -> None:
@@ -176,13 +183,11 @@ def adamw(
     Where the own kernel takes the leaves as they are, it writes the new tensors
     directly (one pass, reading the inputs once); otherwise the inputs are cloned and
     updated in place."""
-    leaves = list(zip(params, grads, mu, nu))
-    if any(g.dtype != p.dtype for p, g, _, _ in leaves) and all(_aligned(*leaf) for leaf in leaves):
-        if adamw_lists.runs_here(params, grads, mu, nu):
-            new_p, new_m, new_v = ([torch.empty_like(t) for t in ts] for ts in (params, mu, nu))
-            out = (new_p, new_m, new_v)
-            adamw_lists.adamw_lists_(params, grads, mu, nu, step, lr, b1, b2, eps, weight_decay, out=out)
-            return new_p + new_m + new_v
+    if _takes_own_kernel(params, grads, mu, nu) and all(_aligned(*leaf) for leaf in zip(params, grads, mu, nu)):
+        new_p, new_m, new_v = ([torch.empty_like(t) for t in ts] for ts in (params, mu, nu))
+        out = (new_p, new_m, new_v)
+        adamw_lists.adamw_lists_(params, grads, mu, nu, step, lr, b1, b2, eps, weight_decay, out=out)
+        return new_p + new_m + new_v
     p, m, v = ([t.clone() for t in ts] for ts in (params, mu, nu))
     adamw_(p, grads, m, v, step, lr, b1, b2, eps, weight_decay)
     return p + m + v
