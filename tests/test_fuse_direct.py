@@ -136,6 +136,28 @@ def test_a_step_with_a_tensor_constant_and_a_view_output(cache_dir):
     assert fused.last_compiled.stats.inductor_entry == "direct"
 
 
+def test_a_step_closing_over_tensors_compiles_below_aotautograd_and_reads_them_live(cache_dir, caplog):
+    """A step that closes over tensors (a model's buffers, a mask) has them as constants
+    in its graph. They become inputs of the compiled code, which reads the very
+    tensors: an in-place change between calls is seen, as eagerly."""
+    table = torch.arange(12.0).reshape(4, 3)
+    mask = torch.tensor([1.0, 0.0, 1.0])
+
+    def f(x):
+        return (x * table[:2] * mask).sum(0) + table.sum()
+
+    x = torch.randn(2, 3)
+    fused = sg.static(sg.fuse(f))
+    with caplog.at_level("WARNING"):
+        torch.testing.assert_close(fused(x), f(x))
+    assert fused.last_compiled.stats.inductor_entry == "direct"
+    assert "compiling through compile_fx" not in caplog.text
+    table.mul_(2)
+    mask[1] = 3.0
+    torch.testing.assert_close(fused(x), f(x))
+    assert fused.last_compiled.stats.traces == 1
+
+
 def test_the_compile_runs_without_the_callers_autocast_and_grad_mode(cache_dir):
     """A step first called inside ``torch.autocast`` still compiles the traced graph
     as it is (its casts are in it); nothing records autograd history."""

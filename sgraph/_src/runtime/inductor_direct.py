@@ -29,6 +29,7 @@ torch-level graphs and leave an ATen graph as it is); the caller then compiles t
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import inspect
@@ -78,6 +79,8 @@ def compile_direct(
     kwargs = _compile_kwargs(entry)
     fake_mode = _fake_mode(examples)
     own = dict(decompositions or {})
+    gm, constants = _lifted_constants(gm)
+    examples = [*examples, *(fake_mode.from_tensor(c, static_shapes=True) for c in constants)]
     with _compiling(entry, fake_mode, gm):
         key = _index_key(entry, gm, examples, kwargs, _sources(own))
         compiled = _load(entry, key, examples, kwargs) if key is not None else None
@@ -86,7 +89,35 @@ def compile_direct(
             made = getattr(compiled, "_fx_graph_cache_key", None)
             if key is not None and made:
                 _store(entry, key, made)
-    return _Boxed(compiled)
+    return _Boxed(compiled, constants)
+
+
+def _lifted_constants(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
+    """``gm`` with its tensor constants (what the step closed over: a module's buffer, a
+    mask) read from trailing inputs instead, and those tensors. The retrace runs under a
+    fake mode that takes no real tensor, and the compiled code then reads the very
+    tensors the step closed over, as the traced graph does: an in-place change to one
+    between calls is seen by the next call."""
+    found = [
+        n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(getattr(gm, str(n.target), None), torch.Tensor)
+    ]
+    if not found:
+        return gm, []
+    lifted = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    nodes = {n.name: n for n in lifted.graph.nodes}
+    last = next(n for n in reversed(lifted.graph.nodes) if n.op == "placeholder")
+    constants = []
+    for i, old in enumerate(found):
+        node = nodes[old.name]
+        with lifted.graph.inserting_after(last):
+            last = lifted.graph.placeholder(f"sgraph_constant_{i}")
+        last.meta = dict(node.meta)
+        node.replace_all_uses_with(last)
+        lifted.graph.erase_node(node)
+        constants.append(getattr(gm, str(old.target)))
+    lifted.graph.lint()
+    lifted.recompile()
+    return lifted, constants
 
 
 def _needs_compile_fx(config: Any) -> bool:
@@ -123,13 +154,15 @@ def _writes_only_own_inputs(gm: torch.fx.GraphModule) -> bool:
 
 
 class _Boxed:
-    """Inductor's compiled graph takes its inputs as one list (which it empties)."""
+    """Inductor's compiled graph takes its inputs as one list (which it empties), the
+    step's tensor constants after them (see :func:`_lifted_constants`)."""
 
-    def __init__(self, output_code: Any) -> None:
+    def __init__(self, output_code: Any, constants: list[torch.Tensor]) -> None:
         self.output_code = output_code
+        self.constants = constants
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
-        return self.output_code(list(inputs))
+        return self.output_code([*inputs, *self.constants])
 
 
 @functools.cache
