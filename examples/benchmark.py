@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from models import GPT, GPTConfig, gpt_loss, mlp
+from models import GPT, GPTConfig, Llama, LlamaConfig, gpt_loss, mlp, resnet
 
 import sgraph as sg
 
@@ -40,7 +40,13 @@ WORKLOADS = {
     "mlp-small": ("mlp", None, 64),
     "gpt-mini": ("gpt", GPTConfig(vocab=8192, d=512, layers=6, heads=8, seq=256), 32),
     "gpt-med": ("gpt", GPTConfig(vocab=32768, d=1024, layers=12, heads=16, seq=1024), 16),
+    # Two models of other shapes, outside PERFORMANCE-ANCHORS: RMSNorm, rotary embeddings and
+    # SwiGLU (no own kernel matches the MLP); convolutions with BatchNorm's running statistics.
+    "llama-mini": ("llama", LlamaConfig(vocab=8192, d=512, layers=6, heads=8, seq=256, hidden=1408), 32),
+    "resnet-small": ("resnet", None, 128),
 }
+ANCHORED = ["mlp-small", "gpt-mini", "gpt-med"]
+"""The workloads of PERFORMANCE-ANCHORS and of sg.fuse's targets: the scripts' default."""
 LR, WEIGHT_DECAY = 3e-4, 0.01
 
 
@@ -61,8 +67,13 @@ def build(workload: str):
         x = torch.randn(batch, 1024, device="cuda")
         y = torch.randint(0, 10, (batch,), device="cuda")
         loss = mlp_loss
+    elif kind == "resnet":
+        model = resnet().cuda()
+        x = torch.randn(batch, 3, 32, 32, device="cuda")
+        y = torch.randint(0, 10, (batch,), device="cuda")
+        loss = mlp_loss
     else:
-        model = GPT(cfg).cuda()
+        model = (Llama if kind == "llama" else GPT)(cfg).cuda()
         x = torch.randint(0, cfg.vocab, (batch, cfg.seq), device="cuda")
         y = torch.randint(0, cfg.vocab, (batch, cfg.seq), device="cuda")
         loss = gpt_loss
@@ -139,15 +150,50 @@ def variant_sg_static(
 ) -> Callable[[], None]:
     """``sg.static`` of the step (with ``sg.fuse`` and ``sg.plan_memory`` as asked); ``inductor``:
     Inductor settings patched on top of sgraph's for the first call, which compiles;
-    ``donate``: the arguments donated (none: the step leaves its inputs alone)."""
+    ``donate``: the arguments donated (none: the step leaves its inputs alone; a
+    model's running statistics are donated with its params)."""
     model, batch, loss = build(workload)
+    step, state, names = functional_step(model, loss, autocast)
+    body = sg.fuse(**(fuse_options or {}))(step) if fuse else step
+    body = sg.plan_memory(**plan)(body) if plan is not None else body
+    train_step = sg.static(body, donate=tuple(n for n in names if n in donate or (donate and n == "buffers")))
+
+    settings = [inductor_settings(inductor or {})]
+
+    def run() -> None:
+        with settings.pop() if settings else contextlib.nullcontext():
+            state[:] = train_step(*state, batch)[:-1]
+
+    run.step = train_step  # type: ignore[attr-defined]
+    return run
+
+
+def functional_step(model, loss, cast) -> tuple[Callable, list, tuple[str, ...]]:
+    """The train step as sgraph runs it: ``(step, state, names)``, where ``step(*state,
+    batch)`` returns ``(*new_state, {"loss": value})`` and ``names`` are its state
+    arguments' names. The state is ``[params, opt_state]``, or ``[params, buffers,
+    opt_state]`` for a model with BatchNorm, whose running statistics the step returns."""
     apply, params, buffers = sg.functional(model)
     opt = sg.optim.adamw(LR, weight_decay=WEIGHT_DECAY)
-    state = {"params": params, "opt": opt.init(params)}
+
+    if apply.return_buffers:
+
+        def loss_with_buffers(params, buffers, batch):
+            x, y = batch
+            with cast():
+                logits, buffers = apply(params, buffers, x)
+            return loss(logits, y), buffers
+
+        def step_with_buffers(params, buffers, opt_state, batch):
+            (value, buffers), grads = sg.value_and_grad(loss_with_buffers, has_aux=True)(params, buffers, batch)
+            updates, opt_state = opt.update(grads, opt_state, params)
+            return sg.optim.apply_updates(params, updates), buffers, opt_state, {"loss": value}
+
+        return step_with_buffers, [params, buffers, opt.init(params)], ("params", "buffers", "opt_state")
 
     def loss_fn(params, batch):
         x, y = batch
-        with autocast():
+        with cast():
             logits = apply(params, buffers, x)
         return loss(logits, y)
 
@@ -156,18 +202,7 @@ def variant_sg_static(
         updates, opt_state = opt.update(grads, opt_state, params)
         return sg.optim.apply_updates(params, updates), opt_state, {"loss": value}
 
-    body = sg.fuse(**(fuse_options or {}))(step) if fuse else step
-    body = sg.plan_memory(**plan)(body) if plan is not None else body
-    train_step = sg.static(body, donate=donate)
-
-    settings = [inductor_settings(inductor or {})]
-
-    def run() -> None:
-        with settings.pop() if settings else contextlib.nullcontext():
-            state["params"], state["opt"], _ = train_step(state["params"], state["opt"], batch)
-
-    run.step = train_step  # type: ignore[attr-defined]
-    return run
+    return step, [params, opt.init(params)], ("params", "opt_state")
 
 
 def inductor_settings(patches: dict) -> contextlib.AbstractContextManager:
@@ -394,7 +429,7 @@ def _memory_cell(c: dict | None) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", default=ANCHORED, choices=list(WORKLOADS))
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--host-overhead", action="store_true", help="also time the per-call host overhead")

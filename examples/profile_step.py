@@ -19,7 +19,7 @@ import statistics
 from collections import defaultdict
 
 import torch
-from benchmark import VARIANTS, WORKLOADS, event_times
+from benchmark import ANCHORED, VARIANTS, WORKLOADS, event_times
 from torch.profiler import ProfilerActivity, profile
 
 STEPS = 5
@@ -91,7 +91,7 @@ def kernel_table(workload: str, variant: str) -> tuple[float, float, list[tuple[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", default=ANCHORED, choices=list(WORKLOADS))
     parser.add_argument("--variants", nargs="+", default=["sg-static", "sg-fuse"], choices=list(VARIANTS))
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--json", help="also write every kernel's row, per workload and variant, here")
