@@ -13,13 +13,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from models import GPT, GPTConfig, gpt_loss, mlp  # noqa: E402
+from models import GPT, GPTConfig, RMSNorm, gpt_loss, mlp  # noqa: E402
 
 import sgraph as sg  # noqa: E402
 
 __all__ = [
     "GPT",
     "GPTConfig",
+    "RMSNorm",
     "SMALL_GPT",
     "bf16_gpt_steps",
     "cuda_bf16_autocast",

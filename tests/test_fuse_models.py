@@ -13,20 +13,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from models_for_tests import RMSNorm
 
 import sgraph as sg
 
 pytestmark = pytest.mark.slow  # compiles with Inductor
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, d: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
