@@ -80,12 +80,7 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
-    vocab: int = 8192
-    d: int = 512
-    layers: int = 6
-    heads: int = 8
-    seq: int = 256
+class LlamaConfig(GPTConfig):
     hidden: int = 1408  # the SwiGLU width: about 8/3 d, a multiple of 64
 
 
