@@ -410,7 +410,11 @@ def static(
 def fuse(fn: Callable[..., Any], /) -> Transformed: ...
 @overload
 def fuse(
-    *, autotune: bool = False, kernels: str | Sequence[str] = "all", reuse_blocks: bool = True
+    *,
+    autotune: bool = False,
+    kernels: str | Sequence[str] = "all",
+    reuse_blocks: bool = True,
+    channels_last: bool = True,
 ) -> Callable[[Callable[..., Any]], Transformed]: ...
 
 
@@ -421,6 +425,7 @@ def fuse(
     autotune: bool = False,
     kernels: str | Sequence[str] = "all",
     reuse_blocks: bool = True,
+    channels_last: bool = True,
     **unknown: Any,
 ) -> Transformed | Callable[[Callable[..., Any]], Transformed]:
     """Compile the whole step into generated kernels (Triton on a GPU, C++ on CPU).
@@ -455,6 +460,11 @@ def fuse(
             across a block's edge (+0.5% to +1.4% per step on the benchmark GPTs).
             ``False`` compiles every copy inline. Not applied to a step planned by
             ``sg.plan_memory`` (its recomputed copies are placed across blocks).
+        channels_last: run 2-D convolutions on channels-last (NHWC) tensors, forward
+            and backward, where Inductor's layout rule would (none grouped, not all
+            small): the weights and the batch are copied into that layout inside the
+            step, and cuDNN then transposes nothing; weight gradients and the step's
+            outputs keep their layouts. ``False`` keeps the traced layouts.
 
     Returns:
         A :class:`Transformed` step; stack with ``sg.static`` in either order.
@@ -468,7 +478,7 @@ def fuse(
         ... @sg.fuse
         ... def train_step(params, opt_state, batch): ...
     """
-    check_unknown("sg.fuse", unknown, ("autotune", "kernels", "reuse_blocks"))
+    check_unknown("sg.fuse", unknown, ("autotune", "kernels", "reuse_blocks", "channels_last"))
 
     def wrap(f: Callable[..., Any]) -> Transformed:
         api = f"sg.fuse({_name(f)})"
@@ -476,8 +486,10 @@ def fuse(
             raise ArgumentTypeError(f"{api}: autotune must be True or False; found {autotune!r}.")
         if not isinstance(reuse_blocks, bool):
             raise ArgumentTypeError(f"{api}: reuse_blocks must be True or False; found {reuse_blocks!r}.")
+        if not isinstance(channels_last, bool):
+            raise ArgumentTypeError(f"{api}: channels_last must be True or False; found {channels_last!r}.")
         base, options = _unwrap(f, "fuse")
-        fuse_options = FuseOptions(autotune, check_kernels(api, kernels), reuse_blocks)
+        fuse_options = FuseOptions(autotune, check_kernels(api, kernels), reuse_blocks, channels_last)
         return Transformed(base, options.with_fuse(fuse_options))
 
     return wrap if fn is None else wrap(fn)

@@ -60,6 +60,7 @@ class FuseOptions:
     autotune: bool = False
     kernels: tuple[str, ...] = OWN_KERNELS
     reuse_blocks: bool = True
+    channels_last: bool = True
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """The one place that orders the passes.
 
 Whatever order the user stacks the decorators in, a step is lowered the same way:
-kernel fixes (replay), cleanup and algebraic folds (and, under ``sg.fuse``, low-precision
-gradients handed to the AdamW update as they are), then communication (for a step
+kernel fixes (replay), cleanup and algebraic folds (and, under ``sg.fuse``, 2-D
+convolutions laid out channels-last and low-precision gradients handed to the AdamW
+update as they are), then communication (for a step
 over DTensors: collectives of one rank elided, parameters gathered again for the
 backward, small collectives bucketed, issues moved up and waits down to overlap
 compute), memory planning (optimizer updates scheduled as gradients finish where that
@@ -18,6 +19,7 @@ from typing import Any
 from ..options import Options
 from ..program import Program
 from .cleanup import cleanup
+from .conv_layout import channels_last
 from .donation import donation
 from .grad_casts import grad_casts
 from .memory.analysis import memory_analysis
@@ -49,6 +51,8 @@ def lower(program: Program, options: Options) -> Program:
     # (Communication and memory passes still copy: memory planning compares graphs.)
     program = program.replace(graph_module=program.copy_graph_module())
     program = simplify(cleanup(replay(program, in_place=True), in_place=True), in_place=True)
+    if options.fuse is not None and options.fuse.channels_last:
+        program = channels_last(program)
     if options.fuse is not None and "adamw" in options.fuse.kernels:
         program = grad_casts(program, in_place=True)
     if collectives(program.graph):
