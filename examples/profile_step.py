@@ -46,7 +46,8 @@ def kernel_ops(text: str) -> dict[str, str]:
 
 
 KINDS = [  # (kind, pattern on the kernel name), first match wins
-    ("attention", re.compile(r"sdpa|flash|fmha|attention|cudnn")),
+    ("attention", re.compile(r"sdpa|flash|fmha|attention|cudnn::fusion")),
+    ("convolution", re.compile(r"fprop|dgrad|wgrad|conv|nchwToNhwc|nhwcToNchw|cudnn", re.IGNORECASE)),
     ("matmul", re.compile(r"nvjet|gemm|xmma|cutlass|sm90_|splitK|Kernel2")),
     ("own kernels", re.compile(r"^(adamw_lists|cross_entropy_rows|_?adamw)")),
     ("generated", re.compile(r"^triton_")),

@@ -186,15 +186,15 @@ def test_channels_last_must_be_a_bool():
 
 
 def _transposes(fn, state, batch) -> int:  # type: ignore[no-untyped-def]
-    """cuDNN's layout transposes in one replay of the captured step."""
+    """cuDNN's layout transposes in one replay of the captured step (``state``: what the
+    step returned last, passed back as it must be for a replay)."""
     from torch.profiler import ProfilerActivity, profile
 
-    state = clone(state)
     for _ in range(2):
         *state, _ = fn(*state, batch)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        *state, _ = fn(*state, batch)
+        fn(*state, batch)
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return sum("nchwToNhwc" in n or "nhwcToNchw" in n for n in names)
@@ -206,9 +206,6 @@ def test_on_the_gpu_cudnn_transposes_nothing_and_bf16_losses_match_eager():
     step, state, batches = make(device="cuda", autocast=True)
     names = ("params", "buffers", "opt_state")
     on = sg.static(sg.fuse(step), donate=names)
-    off = sg.static(sg.fuse(channels_last=False)(step), donate=names)
-    with_pass, without = _transposes(on, state, batches[0]), _transposes(off, state, batches[0])
-    assert without >= 6 and with_pass <= 2, (with_pass, without)  # the first one reads 3 channels
     mine, ref = clone(state), clone(state)
     for batch in batches:
         *mine, metrics = on(*mine, batch)
@@ -217,6 +214,10 @@ def test_on_the_gpu_cudnn_transposes_nothing_and_bf16_losses_match_eager():
         assert metrics["features"].stride() == ref_metrics["features"].stride()
     for p, q in zip(sg.tree.leaves(mine[0]), sg.tree.leaves(ref[0])):
         assert p.stride() == q.stride()
+    off = sg.static(sg.fuse(channels_last=False)(step), donate=names)
+    with_pass, without = _transposes(on, mine, batches[0]), _transposes(off, clone(state), batches[0])
+    print(f"cuDNN layout transposes per step: {with_pass} with the pass, {without} without")
+    assert without >= 6 and with_pass == 0, (with_pass, without)
 
 
 @pytest.mark.gpu
