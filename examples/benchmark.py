@@ -254,6 +254,10 @@ VARIANTS: dict[str, tuple[str, Callable[[str], Callable[[], None]]]] = {
         'sg.static + sg.fuse(kernels=("linear_cross_entropy", "adamw")) (the MLP\'s GELU as generated code)',
         lambda w: variant_sg_static(w, fuse=True, fuse_options={"kernels": ("linear_cross_entropy", "adamw")}),
     ),
+    "sg-fuse-nchw": (
+        "sg.static + sg.fuse(channels_last=False) (convolutions on the traced NCHW layouts)",
+        lambda w: variant_sg_static(w, fuse=True, fuse_options={"channels_last": False}),
+    ),
     "sg-fuse-autotune": (
         "sg.static + sg.fuse(autotune=True) (Triton matmul templates with fused epilogues, tuned block sizes)",
         lambda w: variant_sg_static(w, fuse=True, fuse_options={"autotune": True}),
