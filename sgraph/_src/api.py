@@ -328,7 +328,7 @@ class Transformed:
         if fuse is not None:
             fuse_shown = [
                 f"{k}={getattr(fuse, k)!r}"
-                for k in ("autotune", "kernels", "reuse_blocks")
+                for k in ("autotune", "kernels", "reuse_blocks", "channels_last")
                 if getattr(fuse, k) != getattr(FuseOptions(), k)
             ]
             if self.options.static is not None:
