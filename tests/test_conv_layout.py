@@ -180,6 +180,56 @@ def test_a_batch_already_channels_last_is_not_copied_and_its_feature_map_stays_c
     assert any(v.shape == features.shape and v.stride() == features.stride() for v in outputs(program))
 
 
+def _other_model(kind: str) -> nn.Module:
+    layers: dict[str, list[nn.Module]] = {
+        # a transposed convolution after a plain one
+        "transposed": [nn.Conv2d(3, 96, 3, padding=1), nn.ReLU(), nn.ConvTranspose2d(96, 80, 2, stride=2, bias=False)],
+        # a reshape between two convolutions: the second one's input is copied again
+        "reshaped": [nn.Conv2d(3, 96, 3, padding=1), nn.ReLU(), nn.Unflatten(1, (96, 1)), nn.Flatten(1, 2)],
+        # BatchNorm in eval mode (its running statistics only read)
+        "eval-batchnorm": [nn.Conv2d(3, 96, 3, padding=1, bias=False), nn.BatchNorm2d(96).eval(), nn.ReLU()],
+    }[kind]
+    channels = 80 if kind == "transposed" else 96
+    head = [nn.Conv2d(channels, 96, 3, bias=False), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(96, 10)]
+    return nn.Sequential(*layers, *head)
+
+
+@pytest.mark.parametrize("kind", ["transposed", "reshaped", "eval-batchnorm", "planned"])
+def test_other_convolution_steps_match_eager_over_three_steps(kind):
+    """Steps the pass rewrites differently: each against the same step run eagerly."""
+    torch.manual_seed(0)
+    model = _other_model("reshaped" if kind == "planned" else kind)
+    apply, params, buffers = sg.functional(model)
+    opt = sg.optim.sgd(0.05, momentum=0.9)
+
+    def loss_fn(params, batch):  # type: ignore[no-untyped-def]
+        x, y = batch
+        out = apply(params, buffers, x)
+        return F.cross_entropy(out[0] if apply.return_buffers else out, y)
+
+    def step(params, opt_state, batch):  # type: ignore[no-untyped-def]
+        value, grads = sg.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return sg.optim.apply_updates(params, updates), opt_state, {"loss": value}
+
+    fused = sg.fuse(step)
+    if kind == "planned":
+        fused = sg.plan_memory(budget=1 << 40)(fused)
+    g = torch.Generator().manual_seed(2)
+    batch = (torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g))
+    with torch.backends.mkldnn.flags(enabled=False):  # Inductor's GPU rule, not its CPU one
+        mine, ref = clone([params, opt.init(params)]), clone([params, opt.init(params)])
+        for _ in range(3):
+            *mine, metrics = fused(*mine, batch)
+            *ref, ref_metrics = step(*ref, batch)
+            torch.testing.assert_close(metrics["loss"], ref_metrics["loss"], rtol=1e-5, atol=0)
+    assert "channels_last" in fused.last_compiled.program.passes
+    assert all(conv_args(fused.last_compiled.program))
+    for p, q in zip(sg.tree.leaves(mine), sg.tree.leaves(ref)):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5 * max(float(q.abs().max()), 1e-3))
+        assert p.stride() == q.stride()
+
+
 def test_channels_last_must_be_a_bool_and_shows_in_the_repr_when_off():
     with pytest.raises(sg.ArgumentTypeError, match=r"channels_last must be True or False; found 'yes'"):
         sg.fuse(channels_last="yes")(lambda x: x)
