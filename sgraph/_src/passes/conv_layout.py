@@ -57,8 +57,7 @@ def channels_last(program: Program) -> Program:
         ...  for n in lowered.graph.nodes if n.target is torch.ops.aten.convolution.default]
         [True, True]
     """
-    convs = [n for n in program.graph.nodes if n.target in (_CONV, _CONV_BACKWARD) and _is_2d(n)]
-    if not convs or not _inductor_picks_channels_last(program.graph_module):
+    if not _convolutions(program.graph) or not _inductor_picks_channels_last(program.graph_module):
         return program
     mode = _fake_mode(program.graph)
     if mode is None:
@@ -67,27 +66,15 @@ def channels_last(program: Program) -> Program:
     graph = work.graph
     before = {n.name: n.meta.get("val") for n in graph.nodes}
     outputs = [v.meta.get("val") if isinstance(v, Node) else None for v in returned(graph)]
-    produced = _after_a_convolution(graph)
     copies: dict[Node, Node] = {}
     # First the arguments not computed from a convolution (weights, the batch): the
     # layout then flows from them through the forward and the backward.
-    for node in _convolutions(graph):
-        for index in _layout_args(node):
-            arg = node.args[index]
-            if isinstance(arg, Node) and arg not in produced and not _is_channels_last(arg):
-                node.update_arg(index, _copy(graph, arg, torch.channels_last, copies))
+    _copy_args(graph, copies, skip=_after_a_convolution(graph))
     _propagate(work, mode)
     # Then what is still not channels-last (an activation reshaped in between; a copy
     # changes the layouts after it, hence the rounds).
     for _ in range(_ROUNDS):
-        changed = False
-        for node in _convolutions(graph):
-            for index in _layout_args(node):
-                arg = node.args[index]
-                if isinstance(arg, Node) and not _is_channels_last(arg):
-                    node.update_arg(index, _copy(graph, arg, torch.channels_last, copies))
-                    changed = True
-        if not changed:
+        if not _copy_args(graph, copies):
             break
         _propagate(work, mode)
     # The weights' gradients and the step's outputs in the layouts they had.
@@ -134,6 +121,19 @@ def _fake_mode(graph: torch.fx.Graph) -> Any:
 
 def _convolutions(graph: torch.fx.Graph) -> list[Node]:
     return [n for n in graph.nodes if n.target in (_CONV, _CONV_BACKWARD) and _is_2d(n)]
+
+
+def _copy_args(graph: torch.fx.Graph, copies: dict[Node, Node], skip: set[Node] | None = None) -> bool:
+    """Make each convolution read its arguments that are not channels-last (except
+    those in ``skip``) through a channels-last copy; whether any was."""
+    changed = False
+    for node in _convolutions(graph):
+        for index in _layout_args(node):
+            arg = node.args[index]
+            if isinstance(arg, Node) and not (skip and arg in skip) and not _is_channels_last(arg):
+                node.update_arg(index, _copy(graph, arg, torch.channels_last, copies))
+                changed = True
+    return changed
 
 
 def _layout_args(node: Node) -> tuple[int, ...]:

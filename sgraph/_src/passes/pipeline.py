@@ -3,13 +3,13 @@
 Whatever order the user stacks the decorators in, a step is lowered the same way:
 kernel fixes (replay), cleanup and algebraic folds (and, under ``sg.fuse``, 2-D
 convolutions laid out channels-last and low-precision gradients handed to the AdamW
-update as they are), then communication (for a step
-over DTensors: collectives of one rank elided, parameters gathered again for the
-backward, small collectives bucketed, issues moved up and waits down to overlap
-compute), memory planning (optimizer updates scheduled as gradients finish where that
-lowers the predicted peak, then rematerialization), then donation, which must see the final outputs, then
-reinplacing, which makes the graph write donated outputs straight into their inputs
-and so must come last.
+update as they are), then communication (for a step over DTensors: collectives of one
+rank elided, parameters gathered again for the backward, small collectives bucketed,
+issues moved up and waits down to overlap compute), memory planning (optimizer updates
+scheduled as gradients finish where that lowers the predicted peak, then
+rematerialization), then donation, which must see the final outputs, then reinplacing,
+which makes the graph write donated outputs straight into their inputs and so must
+come last.
 """
 
 from __future__ import annotations
