@@ -147,11 +147,14 @@ def variant_sg_static(
     fuse_options: dict | None = None,
     inductor: dict | None = None,
     donate: tuple[str, ...] = ("params", "opt_state"),
+    attention: list | None = None,
 ) -> Callable[[], None]:
     """``sg.static`` of the step (with ``sg.fuse`` and ``sg.plan_memory`` as asked); ``inductor``:
     Inductor settings patched on top of sgraph's for the first call, which compiles;
     ``donate``: the arguments donated (none: the step leaves its inputs alone; a
-    model's running statistics are donated with its params)."""
+    model's running statistics are donated with its params); ``attention``: the SDPA
+    backends allowed while the first call traces the step (its graph then calls one of
+    them at every replay)."""
     model, batch, loss = build(workload)
     step, state, names = functional_step(model, loss, autocast)
     body = sg.fuse(**(fuse_options or {}))(step) if fuse else step
@@ -159,9 +162,13 @@ def variant_sg_static(
     train_step = sg.static(body, donate=tuple(n for n in names if n in donate or (donate and n == "buffers")))
 
     settings = [inductor_settings(inductor or {})]
+    backends = [torch.nn.attention.sdpa_kernel(attention) if attention else contextlib.nullcontext()]
 
     def run() -> None:
-        with settings.pop() if settings else contextlib.nullcontext():
+        with (
+            settings.pop() if settings else contextlib.nullcontext(),
+            backends.pop() if backends else contextlib.nullcontext(),
+        ):
             state[:] = train_step(*state, batch)[:-1]
 
     run.step = train_step  # type: ignore[attr-defined]
@@ -261,6 +268,10 @@ VARIANTS: dict[str, tuple[str, Callable[[str], Callable[[], None]]]] = {
     "sg-fuse-autotune": (
         "sg.static + sg.fuse(autotune=True) (Triton matmul templates with fused epilogues, tuned block sizes)",
         lambda w: variant_sg_static(w, fuse=True, fuse_options={"autotune": True}),
+    ),
+    "sg-fuse-flash-attention": (
+        "sg.static + sg.fuse, traced with SDPA's FlashAttention-2 backend instead of cuDNN's",
+        lambda w: variant_sg_static(w, fuse=True, attention=[torch.nn.attention.SDPBackend.FLASH_ATTENTION]),
     ),
     "sg-fuse-pdl": (
         "sg.static + sg.fuse, Inductor's programmatic dependent launch on (triton.enable_pdl)",
