@@ -153,8 +153,7 @@ def variant_sg_static(
     Inductor settings patched on top of sgraph's for the first call, which compiles;
     ``donate``: the arguments donated (none: the step leaves its inputs alone; a
     model's running statistics are donated with its params); ``attention``: the SDPA
-    backends allowed while the first call traces the step (its graph then calls one of
-    them at every replay)."""
+    backends allowed around every call (the trace picks one of them)."""
     model, batch, loss = build(workload)
     step, state, names = functional_step(model, loss, autocast)
     body = sg.fuse(**(fuse_options or {}))(step) if fuse else step
@@ -162,13 +161,12 @@ def variant_sg_static(
     train_step = sg.static(body, donate=tuple(n for n in names if n in donate or (donate and n == "buffers")))
 
     settings = [inductor_settings(inductor or {})]
-    backends = [torch.nn.attention.sdpa_kernel(attention) if attention else contextlib.nullcontext()]
 
     def run() -> None:
-        with (
-            settings.pop() if settings else contextlib.nullcontext(),
-            backends.pop() if backends else contextlib.nullcontext(),
-        ):
+        # The backends for every call: sg.static checks SDPA's switches on each call and
+        # traces again (with the backend then allowed) where they differ from the trace's.
+        backends = torch.nn.attention.sdpa_kernel(attention) if attention else contextlib.nullcontext()
+        with settings.pop() if settings else contextlib.nullcontext(), backends:
             state[:] = train_step(*state, batch)[:-1]
 
     run.step = train_step  # type: ignore[attr-defined]
