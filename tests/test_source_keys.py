@@ -4,6 +4,7 @@ and Inductor is handed exactly what the file holds."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -103,6 +104,50 @@ def test_a_hit_hands_inductor_the_remembered_keys(tmp_path, fresh_process, monke
         assert codecache.triton_key() == "remembered"
     assert hashed == []
     assert triton_compat.triton_key() == "hashed"  # the function Inductor calls is as it was
+
+
+class _Backend:
+    def hash(self) -> str:
+        return "backend"
+
+
+@pytest.fixture
+def backend_hash(monkeypatch):
+    """torch's cached hash of Triton's key with the GPU backend's, fresh, over a stand-in
+    backend (no GPU needed); cleared again afterwards."""
+    if not triton_compat.HAS_TRITON:
+        pytest.skip("needs Triton")
+    from torch.utils import _triton
+
+    monkeypatch.setattr(_triton, "triton_backend", _Backend)
+    _triton.triton_hash_with_backend.cache_clear()
+    yield _triton.triton_hash_with_backend
+    _triton.triton_hash_with_backend.cache_clear()
+
+
+def _remember(tmp_path, triton):
+    folder = tmp_path / "sgraph-source-keys"
+    folder.mkdir()
+    (folder / source_keys._fingerprint()).write_text(json.dumps({"torch": "ab" * 32, "triton": triton}))
+
+
+def test_on_a_gpu_the_backends_hash_is_made_from_the_remembered_key(tmp_path, fresh_process, backend_hash, monkeypatch):
+    _remember(tmp_path, "remembered")
+    hashed = []
+    monkeypatch.setattr(triton_compat, "triton_key", lambda: hashed.append(1) or "hashed")
+    monkeypatch.setattr(source_keys, "_gpu_in_use", lambda: True)
+    assert source_keys.remember_source_keys() is True
+    assert backend_hash.cache_info().currsize == 1  # computed, and kept for the process
+    assert backend_hash() == hashlib.sha256(b"remembered-backend").hexdigest().upper()
+    assert hashed == []
+    assert triton_compat.triton_key() == "hashed"  # the function torch calls is as it was
+
+
+def test_without_the_gpu_in_use_the_backends_hash_is_left_for_later(tmp_path, fresh_process, backend_hash, monkeypatch):
+    _remember(tmp_path, "remembered")
+    monkeypatch.setattr(source_keys, "_gpu_in_use", lambda: False)
+    assert source_keys.remember_source_keys() is True
+    assert backend_hash.cache_info().currsize == 0  # nothing asked Triton's driver for a device
 
 
 UNREADABLE = ["not json", "[1]", '{"torch": "zz", "triton": null}', '{"torch": "ab", "triton": 3}']

@@ -4,13 +4,17 @@ Every key of Inductor's caches includes a hash of torch's source files (``torch_
 about 2,000 modules) and one of Triton's (``triton_key``, most of it the 400 MB
 ``libtriton.so``). A process computes both on its first compile, cache hit or not: on
 the H200 machine 0.2 and 0.4 s of a warm first call, on the CPU 0.2 and 0.4 s as well.
+On a GPU, loading generated Triton kernels asks for Triton's key once more, hashed with
+the GPU backend's (``torch.utils._triton.triton_hash_with_backend``, cached for the
+process): another 0.4 s of a warm first call on the H200 machine.
 
 sgraph remembers the two keys in a small file next to its index, under a fingerprint of
 the installation: the path, size and modification time of every file the two hashes
 read (module files of torch's packages and two more; every file under Triton's folder),
 with torch's version. That is the check Python itself makes before trusting a module's
 cached bytecode. When the fingerprint has a file, its keys are handed to Inductor, which
-then does not hash; a file changed, added or removed changes the fingerprint and the
+then does not hash (the backend's hash is taken from the remembered key too, where the
+process already uses the GPU); a file changed, added or removed changes the fingerprint and the
 keys are computed afresh, then remembered.
 """
 
@@ -22,6 +26,7 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -102,9 +107,45 @@ def _inductor() -> tuple[str, Callable[[dict], bool]] | None:
                 codecache.CacheBase.get_system()  # caches the system info, Triton's key in it
             finally:
                 triton_compat.triton_key = real
+            _hand_backend_hash(keys["triton"])
         return True
 
     return cache_dir(), hand
+
+
+def _hand_backend_hash(triton: str) -> None:
+    """Have torch compute its cached hash of Triton's key with the GPU backend's from the
+    remembered key, so that loading Triton kernels does not hash Triton's files again.
+    Only where the process already uses the GPU: the backend's hash asks Triton's driver
+    for the current device, which would otherwise start CUDA here."""
+    if not _gpu_in_use():
+        return
+    try:
+        from torch.utils import _triton
+    except ImportError:
+        return
+    compute = getattr(_triton, "triton_hash_with_backend", None)
+    if compute is None or not hasattr(compute, "cache_info"):  # not cached: nothing to keep
+        return
+    from torch._inductor.runtime import triton_compat
+
+    # torch imports the function by name as it computes: from triton_compat (torch 2.11,
+    # 2.13), from Triton's modules in older versions.
+    names = ("triton.compiler.compiler", "triton.runtime.cache")
+    modules = [triton_compat, *(m for m in map(sys.modules.get, names) if m is not None)]
+    real = [(m, m.triton_key) for m in modules if hasattr(m, "triton_key")]
+    for module, _ in real:
+        module.triton_key = lambda: triton  # type: ignore[attr-defined]
+    try:
+        with contextlib.suppress(RuntimeError, ImportError):  # no active GPU driver: computed later, as before
+            compute()
+    finally:
+        for module, function in real:
+            module.triton_key = function  # type: ignore[attr-defined]
+
+
+def _gpu_in_use() -> bool:
+    return torch.cuda.is_initialized()
 
 
 def _computed() -> dict:
