@@ -204,3 +204,31 @@ def test_before_the_workers_start_a_miss_hashes_nothing_and_the_compile_writes_t
     (path,) = (tmp_path / "sgraph-source-keys").iterdir()
     assert bytes.fromhex(json.loads(path.read_text())["torch"]) == codecache.torch_key()
     assert hashed == ([1] if triton_compat.HAS_TRITON else [])
+
+
+def test_tritons_own_key_is_computed_by_triton_in_a_thread():
+    cache = pytest.importorskip("triton.runtime.cache")
+    expected = cache.triton_key()
+    cache.triton_key.cache_clear()
+    thread = source_keys.start_triton_key()
+    assert thread is not None
+    thread.join(timeout=120)
+    assert cache.triton_key.cache_info().currsize == 1  # kept by Triton's own cache
+    hits = cache.triton_key.cache_info().hits
+    assert cache.triton_key() == expected
+    assert cache.triton_key.cache_info().hits == hits + 1  # not hashed again
+    assert source_keys.start_triton_key() is None  # already kept: nothing started
+
+
+def test_the_compile_workers_start_tritons_key_for_a_gpu_step_only(fresh_process, monkeypatch):
+    from torch._inductor import async_compile
+
+    from sgraph._src.runtime import workers
+
+    started = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: None)
+    monkeypatch.setattr(workers, "start_triton_key", lambda: started.append(True))
+    workers.start_compile_workers([torch.device("cpu")])
+    assert started == []
+    workers.start_compile_workers([torch.device("cuda", 0)])
+    assert started == [True]

@@ -6,7 +6,12 @@ about 2,000 modules) and one of Triton's (``triton_key``, most of it the 400 MB
 the H200 machine 0.2 and 0.4 s of a warm first call, on the CPU 0.2 and 0.4 s as well.
 On a GPU, loading generated Triton kernels asks for Triton's key once more, hashed with
 the GPU backend's (``torch.utils._triton.triton_hash_with_backend``, cached for the
-process): another 0.4 s of a warm first call on the H200 machine.
+process): another 0.4 s of a warm first call on the H200 machine. And Triton asks for
+its own key (cached by Triton for the process) at the first launch of each Triton kernel
+it compiles or loads itself, such as sgraph's own kernels: a further 0.4 s there. That
+one is computed by Triton's own function, in a thread started before the step is traced
+(:func:`start_triton_key`): hashing reads files and runs SHA-256, both outside Python's
+lock, so it takes little from the trace.
 
 sgraph remembers the two keys in a small file next to its index, under a fingerprint of
 the installation: the path, size and modification time of every file the two hashes
@@ -27,6 +32,7 @@ import importlib.util
 import json
 import os
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,7 +40,7 @@ import torch
 
 from .cache_files import file_stats, read_json, write_atomically
 
-__all__ = ["remember_source_keys"]
+__all__ = ["remember_source_keys", "start_triton_key"]
 
 _FOLDER = "sgraph-source-keys"  # inside Inductor's cache directory
 _SUFFIXES = tuple(importlib.machinery.all_suffixes())
@@ -80,6 +86,29 @@ def remember_source_keys(*, compute: bool = True) -> bool:
         path, _missing = _missing, None
         write_atomically(path, json.dumps(_computed()))  # unwritable: the next process hashes
     return False
+
+
+def start_triton_key() -> threading.Thread | None:
+    """Start Triton's own key (its hash of its files, kept by Triton for the process)
+    in a thread, unless Triton has it already; the thread, or None where nothing started.
+    Called before a GPU step is traced, so that the first launch of a Triton kernel
+    Triton itself compiles or loads finds the key kept. Triton's function computes it, so
+    the key is Triton's own; a call racing the thread computes it once more, as today."""
+    try:
+        from triton.runtime import cache
+    except ImportError:
+        return None
+    compute = getattr(cache, "triton_key", None)
+    if compute is None or not hasattr(compute, "cache_info") or compute.cache_info().currsize:
+        return None
+
+    def run() -> None:
+        with contextlib.suppress(Exception):  # only a head start: Triton computes (or reports) it when it needs it
+            compute()
+
+    thread = threading.Thread(target=run, name="sgraph-triton-key", daemon=True)
+    thread.start()
+    return thread
 
 
 def _inductor() -> tuple[str, Callable[[dict], bool]] | None:

@@ -7,7 +7,8 @@ first kernel asks for it the compile has already begun, so most of a cold compil
 kernels were built serially. ``torch.compile`` starts the pool as soon as its backend
 is called; sgraph starts it on a fused CUDA step's first call, just before the step is
 traced, so the workers come up while it is traced and its passes run (``.trace()``
-alone, which compiles nothing, starts none).
+alone, which compiles nothing, starts none). Triton's own key is started there too, in
+a thread (:func:`~.source_keys.start_triton_key`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .source_keys import remember_source_keys
+from .source_keys import remember_source_keys, start_triton_key
 
 __all__ = ["start_compile_workers"]
 
@@ -33,6 +34,7 @@ def start_compile_workers(devices: Iterable[torch.device]) -> bool:
     except ImportError:  # a torch without Inductor's pool: it compiles as it always did
         return False
     remember_source_keys(compute=False)  # the pool's start hashes torch's sources unless handed the key
+    start_triton_key()
     try:
         maybe_warm_pool()
     except Exception:  # noqa: BLE001 - only a head start: Inductor starts it (or reports why not) when it compiles
