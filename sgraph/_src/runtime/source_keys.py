@@ -33,7 +33,7 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -130,23 +130,38 @@ def _inductor() -> tuple[str, Callable[[dict], bool]] | None:
         with contextlib.suppress(AssertionError, RuntimeError):  # already computed in this process
             codecache.torch_key.set(bytes.fromhex(keys["torch"]))  # type: ignore[attr-defined]
         if getattr(triton_compat, "HAS_TRITON", False) and keys["triton"] is not None:
-            real = triton_compat.triton_key
-            triton_compat.triton_key = lambda: keys["triton"]
-            try:
+            with _triton_key_as(keys["triton"]):
                 codecache.CacheBase.get_system()  # caches the system info, Triton's key in it
-            finally:
-                triton_compat.triton_key = real
-            _hand_backend_hash(keys["triton"])
+                _backend_hash()
         return True
 
     return cache_dir(), hand
 
 
-def _hand_backend_hash(triton: str) -> None:
-    """Have torch compute its cached hash of Triton's key with the GPU backend's from the
-    remembered key, so that loading Triton kernels does not hash Triton's files again.
-    Only where the process already uses the GPU: the backend's hash asks Triton's driver
-    for the current device, which would otherwise start CUDA here."""
+@contextlib.contextmanager
+def _triton_key_as(key: str) -> Iterator[None]:
+    """Triton's key function answering ``key`` while inside, wherever torch imports it
+    by name as it computes: from ``triton_compat`` (torch 2.11, 2.13), from Triton's
+    modules in older versions."""
+    from torch._inductor.runtime import triton_compat
+
+    names = ("triton.compiler.compiler", "triton.runtime.cache")
+    modules = [triton_compat, *(m for m in map(sys.modules.get, names) if m is not None)]
+    real = [(m, m.triton_key) for m in modules if hasattr(m, "triton_key")]
+    for module, _ in real:
+        module.triton_key = lambda: key  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for module, function in real:
+            module.triton_key = function  # type: ignore[attr-defined]
+
+
+def _backend_hash() -> None:
+    """Have torch compute (and keep for the process) its hash of Triton's key with the
+    GPU backend's, inside :func:`_triton_key_as`, so that loading Triton kernels does not
+    hash Triton's files again. Only where the process already uses the GPU: the backend's
+    hash asks Triton's driver for the current device, which would otherwise start CUDA."""
     if not _gpu_in_use():
         return
     try:
@@ -156,21 +171,8 @@ def _hand_backend_hash(triton: str) -> None:
     compute = getattr(_triton, "triton_hash_with_backend", None)
     if compute is None or not hasattr(compute, "cache_info"):  # not cached: nothing to keep
         return
-    from torch._inductor.runtime import triton_compat
-
-    # torch imports the function by name as it computes: from triton_compat (torch 2.11,
-    # 2.13), from Triton's modules in older versions.
-    names = ("triton.compiler.compiler", "triton.runtime.cache")
-    modules = [triton_compat, *(m for m in map(sys.modules.get, names) if m is not None)]
-    real = [(m, m.triton_key) for m in modules if hasattr(m, "triton_key")]
-    for module, _ in real:
-        module.triton_key = lambda: triton  # type: ignore[attr-defined]
-    try:
-        with contextlib.suppress(RuntimeError, ImportError):  # no active GPU driver: computed later, as before
-            compute()
-    finally:
-        for module, function in real:
-            module.triton_key = function  # type: ignore[attr-defined]
+    with contextlib.suppress(RuntimeError, ImportError):  # no active GPU driver: computed later, as before
+        compute()
 
 
 def _gpu_in_use() -> bool:
