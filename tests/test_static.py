@@ -304,3 +304,24 @@ def test_copy_lists_copies_each_pair_whatever_the_mix_of_dtypes():
     for t, s in zip(targets, sources):
         assert t.dtype != s.dtype or torch.equal(t, s)
     assert torch.equal(targets[-1], sources[-1].double())
+
+
+def test_copy_lists_copies_large_tensors_on_their_own(monkeypatch):
+    """A tensor of ``OWN_COPY_BYTES`` or more, and a dtype pair's only tensor, is copied
+    by ``copy_`` (ATen's multi-tensor copy gives a large tensor few thread blocks); the
+    small ones of one dtype pair still share one multi-tensor copy. Values land in the
+    right targets either way."""
+    from sgraph._src.runtime import eager
+
+    lists: list[int] = []
+    foreach = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda t, s: (lists.append(len(t)), foreach(t, s))[1])
+    g = torch.Generator().manual_seed(1)
+    large = eager.OWN_COPY_BYTES // 4
+    sources = [torch.randn(large, generator=g), torch.randn(3, generator=g), torch.arange(large // 2)]
+    sources += [torch.randn(5, generator=g), torch.arange(6), torch.randn(64, large // 64, generator=g)]
+    targets = [torch.empty_like(s) for s in sources]
+    eager.copy_lists(targets, sources)
+    for t, s in zip(targets, sources):
+        assert torch.equal(t, s)
+    assert lists == [2]  # the two small fp32 tensors; the small int64 one is alone: copy_

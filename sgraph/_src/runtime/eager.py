@@ -9,7 +9,12 @@ import torch
 
 from ..program import Program
 
-__all__ = ["EagerExecutable", "copy_lists", "write_back"]
+__all__ = ["OWN_COPY_BYTES", "EagerExecutable", "copy_lists", "write_back"]
+
+OWN_COPY_BYTES = 32 * 1024
+"""Bytes from which :func:`copy_lists` copies a tensor on its own rather than in a
+multi-tensor copy: from there ATen's multi-tensor copy takes about 1 us more than a copy
+of its own on an H200 (docs/performance.md)."""
 
 
 class EagerExecutable:
@@ -42,17 +47,29 @@ def write_back(inputs: Sequence[torch.Tensor], outputs: list[torch.Tensor], alia
 
 
 def copy_lists(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
-    """``targets[i].copy_(sources[i])`` for all ``i``, one multi-tensor copy per dtype.
+    """``targets[i].copy_(sources[i])`` for all ``i``: a copy of its own for each large
+    tensor, one multi-tensor copy per dtype pair for the small ones.
 
     ATen's ``_foreach_copy_`` takes its one-kernel path on a GPU only for lists of one
     dtype (one int64 batch among fp32 params sends every tensor to a copy of its own: a
-    launch each, which dominates the call of a small step). The copies of different
-    dtypes then run in another order than the lists', so no target may be read by
+    launch each, which dominates the call of a small step). That kernel gives each
+    thread block a chunk of 65536 elements, so a large tensor is copied by one block or
+    a few: on an H200, 64 x 1024 fp32 took 7.4 us through it against 1.0 us through
+    ``copy_``, while eight tensors of 4 KiB took 1.1 us in it against 6.2 us in eight
+    copies (docs/performance.md). Tensors of at least ``OWN_COPY_BYTES`` therefore get a
+    ``copy_`` of their own, and so does a dtype pair left with a single tensor. The
+    copies then run in another order than the lists', so no target may be read by
     another pair's source (the graph's static buffers and fresh outputs are not)."""
     groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for target, source in zip(targets, sources):
+        if source.numel() * source.element_size() >= OWN_COPY_BYTES:
+            target.copy_(source)
+            continue
         group = groups.setdefault((target.dtype, source.dtype), ([], []))
         group[0].append(target)
         group[1].append(source)
     for group_targets, group_sources in groups.values():
-        torch._foreach_copy_(group_targets, group_sources)
+        if len(group_targets) == 1:
+            group_targets[0].copy_(group_sources[0])
+        else:
+            torch._foreach_copy_(group_targets, group_sources)
