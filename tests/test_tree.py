@@ -61,3 +61,10 @@ def test_registered_nodes_flatten():
 
     sg.tree.register_node(Pair, lambda p: ((p.a, p.b), None), lambda _, c: Pair(*c))
     assert sg.tree.leaves(Pair(torch.ones(1), 2)) == [torch.ones(1), 2]
+
+
+def test_paths_of_a_tree_itself_and_of_its_spec_agree():
+    state = sg.optim.adamw(1e-3).init({"w": torch.ones(2), "b": torch.zeros(1)})
+    want = ["opt_state.count", "opt_state.mu['b']", "opt_state.mu['w']", "opt_state.nu['b']", "opt_state.nu['w']"]
+    assert sg.tree.paths(state, prefix="opt_state") == want
+    assert sg.tree.paths(sg.tree.flatten(state)[1], prefix="opt_state") == want

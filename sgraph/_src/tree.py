@@ -66,9 +66,17 @@ def flatten_with_paths(tree: Any, /, *, prefix: str = "") -> tuple[list[str], li
     return [a.codify(prefix) for a in accessors], leaves_, spec
 
 
-def paths(spec: PyTreeSpec, /, *, prefix: str = "") -> list[str]:
-    """The path of every leaf of ``spec``, as :func:`flatten_with_paths` writes it."""
-    return [a.codify(prefix) for a in spec.accessors()]
+def paths(spec_or_tree: Any, /, *, prefix: str = "") -> list[str]:
+    """The path of every leaf, as :func:`flatten_with_paths` writes it, of a spec (from
+    :func:`flatten`) or of a tree itself (``sg.tree.paths(opt_state)``).
+
+    Example:
+        >>> paths({"w": 1, "b": (2, 3)}, prefix="params")
+        ["params['b'][0]", "params['b'][1]", "params['w']"]
+    """
+    if isinstance(spec_or_tree, PyTreeSpec):
+        return [a.codify(prefix) for a in spec_or_tree.accessors()]
+    return flatten_with_paths(spec_or_tree, prefix=prefix)[0]
 
 
 def unflatten(spec: PyTreeSpec, leaves_: Iterable[Any], /) -> Any:
