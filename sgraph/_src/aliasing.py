@@ -10,9 +10,11 @@ fixed by the signature, and unchanged pointers need no new check):
   so the step reads what eager would; unless the step writes into that donated
   input in place, which the other input would see in eager: that raises;
 - two donated inputs that overlap raise: each would receive its own new value in
-  the same memory.
+  the same memory;
+- a tensor the step closes over (a constant of the graph) that overlaps a donated
+  input raises: the step reads it while the donated memory receives new values.
 
-Either error names both argument paths.
+Each error names the argument paths (and the line reading the constant).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class AliasGuard:
             (fixed by the signature: shape, strides, dtype), see :func:`extent`.
         donated: positions of donated inputs.
         written: donated positions the step writes in place.
+        constants: the tensors the step closes over, each with a description for
+            messages (its shape and the line that reads it).
     """
 
     def __init__(
@@ -46,7 +50,9 @@ class AliasGuard:
         extents: Sequence[int],
         donated: frozenset[int],
         written: frozenset[int],
+        constants: Sequence[tuple[str, torch.Tensor]] = (),
     ) -> None:
+        self.constants = [(what, t) for what, t in constants if _extent(t)]
         self.name = name
         self.paths = list(paths)
         self.donated = sorted(donated)
@@ -113,7 +119,21 @@ class AliasGuard:
             if donated in self.written:
                 raise ArgumentError(self._written(donated, other))
             copies.append(other)
+        for what, constant in self.constants:
+            start = constant.data_ptr()
+            end = start + _extent(constant)
+            for i in self.donated:
+                if self.extent[i] and ptrs[i] < end and start < ptrs[i] + self.extent[i]:
+                    raise ArgumentError(self._constant(i, what))
         return sorted(set(copies))
+
+    def _constant(self, donated: int, what: str) -> str:
+        return (
+            f"{self.name}: the step closes over {what}, which shares memory with donated input "
+            f"{self.paths[donated]}; the step would read it while that memory receives the new "
+            f"values. Pass it in as an argument (it is then copied for the call), close over a "
+            f".clone(), or do not donate {self.paths[donated]}."
+        )
 
     def _both_donated(self, a: int, b: int) -> str:
         return (

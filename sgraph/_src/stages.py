@@ -32,6 +32,8 @@ from .passes.shard.cost import CostAnalysis, Links, cost_analysis
 from .program import Program, compute_ops
 from .runtime.eager import EagerExecutable
 from .signature import Signature, signature_of
+from .source import SOURCE_KEY, where
+from .text import describe_tensor
 from .trace import ArgLayout
 
 __all__ = ["Traced", "Lowered", "Compiled", "CompiledStats", "Counters"]
@@ -390,4 +392,18 @@ def _alias_guard(program: Program, traced: Traced) -> AliasGuard:
         extents,
         program.donated,
         frozenset(written & program.donated),
+        _constants(traced.program),
     )
+
+
+def _constants(program: Program) -> list[tuple[str, torch.Tensor]]:
+    """The tensors the step closed over, each described by its shape and the line reading it."""
+    gm = program.graph_module
+    found = []
+    for node in gm.graph.nodes:
+        value = getattr(gm, cast(str, node.target), None) if node.op == "get_attr" else None
+        if not isinstance(value, torch.Tensor):
+            continue
+        source = next((u.meta[SOURCE_KEY] for u in node.users if SOURCE_KEY in u.meta), None)
+        found.append((f"a tensor {describe_tensor(value.dtype, tuple(value.shape))}{where(source)}", value))
+    return found
