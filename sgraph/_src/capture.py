@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .capture_guards import no_host_sync, quiet_torch_logs, rng_state_unchanged, trace_guards
 from .errors import CaptureError, SgraphError
+from .running_stats import hidden_writes
 from .source import GRAD_MODULE_KEY, MODULE_KEY, SOURCE_KEY, Source, is_library, module_path, user_source, where
 from .text import describe_tensor
 
@@ -239,6 +240,9 @@ class SourceMode(TorchDispatchMode):
         self.carried = carried
         self.last_backward: Source | None = None
         self.last_grad_module: str | None = None
+        # storages of the real (not fake) tensors the trace itself made: a closed-over
+        # constant's clone (sg.functional's buffers) may be written, the user's own may not
+        self.made: set[int] = set()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -246,6 +250,7 @@ class SourceMode(TorchDispatchMode):
             self._check_closed_over(func, args, kwargs)
             self._check_recomputed_randomness(func, args, kwargs)
             self._check_overlapping_write(func, args, kwargs)
+            self._check_constant_write(func, args, kwargs)
         graph = _tracing_graph()
         last = _last_node(graph) if graph is not None else None
         try:
@@ -258,6 +263,8 @@ class SourceMode(TorchDispatchMode):
             _raise_located(e, self.api, self._source())
         if self.context is None and _has_symbolic_shape(out):
             raise CaptureError(self._data_dependent(func, args))
+        if self.context is None:
+            self._note_made(args, kwargs, out)
         if graph is not None:
             self._stamp(graph, last)
         return out
@@ -321,6 +328,28 @@ class SourceMode(TorchDispatchMode):
                     "the tensor it expands instead (w.zero_() rather than w.expand(...).zero_()), or "
                     "compute a new tensor."
                 )
+
+    def _check_constant_write(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        """A write into a real tensor the step closes over (``counter.add_(1)``,
+        ``hist[i] = x``, a closed-over module's BatchNorm statistics).
+
+        Raised before the op runs: tracing would otherwise apply the write to the user's
+        tensor once per trace, and the compiled step could not express it (constants
+        are read, never written)."""
+        if not isinstance(func, torch._ops.OpOverload):
+            return
+        for value in written_tensors(func, args, kwargs):
+            if not _is_real(value) or value.numel() == 0 or _storage(value) in self.made:
+                continue
+            raise CaptureError(constant_write_message(self.api, func, tuple(value.shape), self._source()))
+
+    def _note_made(self, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        """Remember the storages of real tensors ``out`` holds that no argument shares."""
+        outs = [t for t in _tensors(out) if _is_real(t) and t.numel()]
+        if not outs:
+            return
+        given = {_storage(t) for t in _tensors((args, kwargs)) if _is_real(t) and t.numel()}
+        self.made.update(s for s in map(_storage, outs) if s not in given)
 
     def _check_recomputed_randomness(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
         """A random op run by autograd is a forward op recomputed (``torch.utils.checkpoint``).
@@ -393,6 +422,39 @@ def draws_random_numbers(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
 def _has_symbolic_shape(out: Any) -> bool:
     """Whether an op's result has a size known only from tensor data (an unbacked SymInt)."""
     return any(isinstance(size, torch.SymInt) for t in _tensors(out) for size in t.shape)
+
+
+def constant_write_message(api: str, op: object, shape: tuple[int, ...], source: Source | None) -> str:
+    """The error for a step that writes into a tensor it closes over."""
+    return (
+        f"{api}: {op} writes in place into a tensor of shape {list(shape)} that the step closes "
+        f"over{where(source)}: it is not an argument, so the compiled step could not update it. Pass it "
+        "in as an argument and donate it (sg.static(step, donate=(...)) names it), or return its new value; for a "
+        "module's buffers (BatchNorm's running statistics) use apply, params, buffers = "
+        "sg.functional(model) and return the new buffers."
+    )
+
+
+def written_tensors(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors ``func`` writes into: ``Tensor(a!)`` arguments, and the running
+    statistics a training-mode batch norm writes without saying so."""
+    found: list[torch.Tensor] = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        found += _tensors(args[i] if i < len(args) else kwargs.get(arg.name))
+    return found + hidden_writes(func, args, kwargs)
+
+
+def _is_real(t: torch.Tensor) -> bool:
+    """A plain tensor holding memory: not a fake tensor of the trace, not a wrapper."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and not isinstance(t, FakeTensor)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

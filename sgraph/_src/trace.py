@@ -6,6 +6,8 @@ input is touched):
 1. The step itself, autograd included: ``torch.autograd.grad`` inside the step
    records its backward ops, so forward, backward and update land in one graph.
    :mod:`capture` guards the step and stamps each node with its user source line.
+   BatchNorm's hidden writes of its running statistics are made explicit
+   (:mod:`running_stats`).
 2. That graph replayed node by node under ``torch.func.functionalize``: in-place
    ops become functional ones, and writes into inputs become trailing ``copy_``
    nodes, allowed only into donated inputs. A graph with no in-place op (the usual
@@ -28,7 +30,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import guards, tree
-from .capture import SOURCE_KEY, GuardMode, Source, SourceMode
+from .capture import SOURCE_KEY, GuardMode, Source, SourceMode, constant_write_message
 from .cudnn_rnn import CudnnRnnGuard
 from .dtensors import (
     DistInfo,
@@ -44,7 +46,8 @@ from .dtensors import (
 from .errors import CaptureError
 from .hidden import find_hidden_tensor
 from .patterns import GeluMlpMode, LinearCrossEntropyMode
-from .program import LeafInfo, Program, alias_root, placeholders, returned, written_args
+from .program import LeafInfo, Program, alias_root, output_node, placeholders, returned, written_args
+from .running_stats import explicit_running_stats, hidden_written_args
 from .source import GRAD_MODULE_KEY, MODULE_KEY
 from .tags import TAGS_KEY
 
@@ -163,7 +166,11 @@ def trace(
     # their Python code when first called (only an eager run calls them), not here.
     with _TRACE_LOCK, guards.tracing() as modules, compute_scope(), _use_lazy_graph_module(True):
         autograd_graph = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
+        _check_constant_writes(autograd_graph, api)
+        explicit_running_stats(autograd_graph)
         functional = _functionalize(autograd_graph, tensors, api)
+        if functional is not autograd_graph:
+            _return_written_inputs(autograd_graph, functional)
     _check_outputs(api, result["spec"], result["leaves"])
     outputs = _output_infos(result["spec"], result["leaves"], result["dists"], functional)
     program = Program(
@@ -273,14 +280,93 @@ class _Replay(torch.fx.Interpreter):
 def _functionalize(gm: torch.fx.GraphModule, tensors: list[torch.Tensor], api: str) -> torch.fx.GraphModule:
     if not any(written_args(node) for node in gm.graph.nodes):
         return gm  # already functional (the usual step): tracing it again would change nothing
-    replay = _Replay(gm)
+    lifted, constants = _lift_constants(gm)
+    replay = _Replay(lifted)
 
     def run(*args: torch.Tensor) -> Any:
         with SourceMode(api, context=lambda: replay.current, carried=lambda: replay.carried):
             return replay.run(*args)
 
     functional = torch.func.functionalize(run, remove="mutations")
-    return make_fx(functional, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
+    out = make_fx(functional, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors, *constants.values())
+    _restore_constants(out, constants, api)
+    return out
+
+
+def _return_written_inputs(autograd_graph: torch.fx.GraphModule, functional: torch.fx.GraphModule) -> None:
+    """Where the step returns an input it wrote in place (``p.sub_(u); return p``), the
+    functional graph returns that input again rather than its new value: eager hands
+    back the very tensor passed in, and so does the compiled step (the trailing
+    ``copy_`` writes the new value into it, as into any written donated input)."""
+    before = placeholders(autograd_graph.graph)
+    inputs = placeholders(functional.graph)
+    written = {alias_root(a) for node in functional.graph.nodes for a in written_args(node)}
+    values = returned(functional.graph)
+    changed = False
+    for position, node in enumerate(returned(autograd_graph.graph)):
+        root = alias_root(node) if isinstance(node, torch.fx.Node) else None
+        if root is not None and root.op == "placeholder" and _same_layout(node, root):
+            target = inputs[before.index(root)]
+            if target in written and values[position] is not target:
+                values[position] = target
+                changed = True
+    if changed:
+        output_node(functional.graph).args = (values,)
+        functional.recompile()
+
+
+def _same_layout(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    """Whether two aliasing nodes are the same tensor (an in-place op's result and its
+    input), not a view of other shape, strides or offset."""
+    x, y = a.meta.get("val"), b.meta.get("val")
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        return False
+    return (x.shape, x.stride(), x.storage_offset(), x.dtype) == (y.shape, y.stride(), y.storage_offset(), y.dtype)
+
+
+def _lift_constants(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, dict[str, torch.Tensor]]:
+    """A copy of ``gm`` whose tensor constants (what the step closed over) are trailing
+    inputs, so that functionalization sees them as tensors of the program: a clone of one
+    (``sg.functional``'s buffers read through a closure) written in place is then an
+    ordinary functional value, not a plain tensor written with a functional one."""
+    constants: dict[str, torch.Tensor] = {}
+    for node in gm.graph.nodes:
+        value = getattr(gm, cast(str, node.target)) if node.op == "get_attr" else None
+        if isinstance(value, torch.Tensor):
+            constants[cast(str, node.target)] = value
+    if not constants:
+        return gm, constants
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in placeholders(gm.graph):
+        env[node] = graph.node_copy(node, env.__getitem__)
+    lifted = {name: graph.placeholder(f"constant_{name}") for name in constants}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in lifted:
+            env[node] = lifted[cast(str, node.target)]
+        elif node not in env:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    return torch.fx.GraphModule(gm, graph), constants
+
+
+def _restore_constants(gm: torch.fx.GraphModule, constants: dict[str, torch.Tensor], api: str) -> None:
+    """Turn the trailing inputs :func:`_lift_constants` made back into ``gm``'s constants."""
+    if not constants:
+        return
+    inputs = placeholders(gm.graph)[-len(constants) :]
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    for node, (name, value) in zip(inputs, constants.items()):
+        for user in node.users:
+            if any(alias_root(a) is node for a in written_args(user)):
+                source = user.meta.get(SOURCE_KEY)
+                raise CaptureError(constant_write_message(api, user.target, tuple(value.shape), source))
+        setattr(gm, name, value)
+        with gm.graph.inserting_before(first):
+            attr = gm.graph.create_node("get_attr", name)
+        attr.meta = dict(node.meta)
+        node.replace_all_uses_with(attr)
+        gm.graph.erase_node(node)
+    gm.recompile()
 
 
 def _check_outputs(api: str, spec: tree.PyTreeSpec, leaves: list[Any]) -> None:
@@ -314,6 +400,17 @@ def _output_infos(
     return infos
 
 
+def _check_constant_writes(gm: torch.fx.GraphModule, api: str) -> None:
+    """Raise for a write into a tensor the step closes over that the trace recorded
+    (``hist[i] = x``: a view of the constant, written with a traced value)."""
+    for node in gm.graph.nodes:
+        for arg in written_args(node) + hidden_written_args(node):
+            root = alias_root(arg)
+            if root.op == "get_attr":
+                shape = tuple(getattr(gm, cast(str, root.target)).shape)
+                raise CaptureError(constant_write_message(api, node.target, shape, node.meta.get(SOURCE_KEY)))
+
+
 def _check_input_writes(autograd_graph: torch.fx.GraphModule, program: Program) -> None:
     """Raise for a write into an input that is not donated, naming its path and line."""
     for index in sorted(program.written_inputs() - program.donated):
@@ -322,8 +419,9 @@ def _check_input_writes(autograd_graph: torch.fx.GraphModule, program: Program) 
         raise CaptureError(
             f"{program.name}: the step writes in place into input {program.tensor_inputs[index].path}{at}, "
             "which is not "
-            "donated. Return the new value as an output instead, or donate the argument "
-            "(donate=(...) names it) to let the step update it in place."
+            "donated. Return the new value as an output instead, or donate the argument to let the "
+            "step update it in place: sg.static(step, donate=(...)) names it (sg.fuse alone does not "
+            "donate; stack it under sg.static)."
         )
 
 

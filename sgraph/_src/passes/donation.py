@@ -167,8 +167,11 @@ def _clone_repeats(gm: torch.fx.GraphModule, values: list) -> None:
 
 
 def _clone_at(gm: torch.fx.GraphModule, values: list, i: int) -> None:
+    """Return a clone of output ``i``; of an input, made at the end of the graph, after
+    any write into it (a step that writes an input in place returns its new value)."""
     node = values[i]
-    with gm.graph.inserting_after(node):
+    where = node if node.op != "placeholder" else output_node(gm.graph).prev
+    with gm.graph.inserting_after(where):
         clone = gm.graph.call_function(torch.ops.aten.clone.default, (node,))
     clone.meta = dict(node.meta)
     values[i] = clone
