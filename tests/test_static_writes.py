@@ -7,6 +7,7 @@ the trace holds cuDNN's batch norm and the step replays in a CUDA graph)."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -285,3 +286,48 @@ def test_under_fuse_alone_the_error_says_where_donation_lives():
 
     with pytest.raises(sg.CaptureError, match=r"sg\.static\(step, donate=\(\.\.\.\)\) names it \(sg\.fuse alone"):
         sg.fuse(step)(torch.ones(3), torch.ones(3))
+
+
+# --------------------------------------------------------------------------- old values as metrics
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["static", "static+fuse"])
+def test_the_old_value_of_a_donated_input_as_a_metric_keeps_addresses(device, mode):
+    """``return p, new_s, {"old": s}`` with ``s`` donated: the new state goes into ``s``'s
+    memory (the old value comes back as a copy), so passing the returned state back keeps
+    the addresses the graph was captured with (no recapture, no RetraceWarning) and every
+    metric holds what eager gives."""
+
+    def step(p, s, x):
+        new = s * 0.9 + x
+        return p * 2, new, {"old": s, "new": new}
+
+    f = compiled(step, mode, donate=(0, 1))
+    mine = [torch.ones(4, device=device), torch.zeros(4, device=device)]
+    ref = [t.clone() for t in mine]
+    addresses = [t.data_ptr() for t in mine]
+    for call, x in enumerate(batches(device)):
+        x = x[0]
+        *mine, got = f(*mine, x)
+        *ref, want = step(*ref, x)
+        assert [t.data_ptr() for t in mine] == addresses, f"call {call}"
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], msg=f"call {call}: {key}")
+        torch.testing.assert_close(mine, ref)
+    assert got["old"].data_ptr() not in addresses
+
+
+def test_a_donated_input_returned_only_as_a_metric_keeps_its_place():
+    """With no output to take its place, the input returned unchanged is that output (no
+    copy, no DonationWarning), as before."""
+
+    def step(s, x):
+        return {"old": s, "sum": (s + x).sum()}
+
+    s = torch.ones(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sg.DonationWarning)
+        got = sg.static(step, donate="s")(s, torch.ones(4))
+    assert got["old"] is s
+    assert float(got["sum"]) == 8.0

@@ -4,7 +4,13 @@ A donated input's memory is given to at most one output, and only where nothing
 the user can observe changes:
 
 1. A donated input the step returns unchanged keeps its place: it is that output
-   (and is given to no other).
+   (and is given to no other). Unless it comes back only away from its own path
+   within its argument (the old value as a metric: ``buffers['mean']`` in,
+   ``{'old_mean': buffers['mean']}`` out) and an output fits it by rule 2: then
+   that output's value goes into it, and the old value is returned as a copy made
+   before anything is written. So the tensors a step returns at the donated
+   argument's place keep the addresses a CUDA graph was captured with, call after
+   call.
 2. Other donated inputs each take the first unmatched output of the same shape,
    dtype and device, preferring the output at the same path within its argument
    (``params['w']`` takes ``result[0]['w']``), then flattening order, as in JAX.
@@ -55,12 +61,13 @@ def donation(program: Program, *, in_place: bool = False) -> Program:
     inputs = placeholders(gm.graph)
     values = returned(gm.graph)
     donated = {inputs[i] for i in program.donated}
-    _clone_sharing(gm, values, donated, skip=set())  # before matching: a view must not be written anywhere
+    changed = {inputs[i] for i in written}
+    _clone_sharing(gm, values, donated, changed, skip=set())  # before matching: a view must not be written anywhere
     aliases = _match(program, values, inputs, written)
     owners = {values[o] for o, _ in aliases if isinstance(values[o], Node)}
-    _clone_sharing(gm, values, owners | donated, skip={o for o, _ in aliases})
+    _clone_sharing(gm, values, owners | donated, changed, skip={o for o, _ in aliases})
     if program.donated:
-        _clone_repeats(gm, values)
+        _clone_repeats(gm, values, changed)
     output_node(gm.graph).args = (values,)
     gm.recompile()
     return program.replace(graph_module=gm, aliases=tuple(aliases), passes=program.passes + ("donation",))
@@ -70,27 +77,34 @@ def _match(program: Program, values: list, inputs: list, written: set[int]) -> l
     leaves = program.tensor_inputs
     outputs = [o for o in program.outputs if o.is_tensor]
     positions: dict[Node, list[int]] = {}  # output value -> the outputs returning it
+    outputs_at = {cast(int, o.graph_index): o for o in outputs}
     for o in outputs:
         positions.setdefault(values[cast(int, o.graph_index)], []).append(cast(int, o.graph_index))
     aliases: list[tuple[int, int]] = []
     used: set[int] = set()
+    away: dict[int, int] = {}  # donated input -> where it is returned unchanged, none of them its own path
     for index in sorted(program.donated):
         same = positions.get(inputs[index], [])
-        if same:
+        if not same:
+            continue
+        used.update(same)
+        if index in written or any(_at_home(leaves[index], outputs_at[p]) for p in same):
             aliases.append((same[0], index))
-            used.update(same)
+        else:
+            away[index] = same[0]
     matched = {i for _, i in aliases}
     candidates = _Candidates(outputs, values)
     for index in sorted(program.donated - written - matched):
-        if _overlaps_itself(inputs[index]):
+        choice = None if _overlaps_itself(inputs[index]) else candidates.choose(leaves[index], used)
+        if choice is None and index in away:
+            choice = away[index]  # rule 1 after all
+        elif choice is None and _overlaps_itself(inputs[index]):
             _warn_unused(program, index, "its elements share memory (an expanded view), so it cannot hold a result")
-            continue
-        choice = candidates.choose(leaves[index], used)
-        if choice is None:
+        elif choice is None:
             _warn_unused(program, index)
-            continue
-        used.add(choice)
-        aliases.append((choice, index))
+        if choice is not None:
+            used.add(choice)
+            aliases.append((choice, index))
     return aliases
 
 
@@ -120,6 +134,11 @@ class _Candidates:
             if found is not None:
                 return found
         return None
+
+
+def _at_home(leaf: LeafInfo, output: LeafInfo) -> bool:
+    """Whether ``output`` is at ``leaf``'s own path within its argument."""
+    return _within_argument(output.path) == _within_argument(leaf.path)
 
 
 def _within_argument(path: str) -> str:
@@ -153,7 +172,7 @@ def _warn_unused(program: Program, index: int, why: str = "") -> None:
     )
 
 
-def _clone_repeats(gm: torch.fx.GraphModule, values: list) -> None:
+def _clone_repeats(gm: torch.fx.GraphModule, values: list, changed: set[Node]) -> None:
     """Clone each computed output whose memory an earlier output already returned."""
     seen: set[Node] = set()
     for i, node in enumerate(values):
@@ -161,23 +180,30 @@ def _clone_repeats(gm: torch.fx.GraphModule, values: list) -> None:
             continue
         root = memory_root(node)
         if root in seen and root.op != "placeholder":
-            _clone_at(gm, values, i)
+            _clone_at(gm, values, i, changed)
         else:
             seen.add(root)
 
 
-def _clone_at(gm: torch.fx.GraphModule, values: list, i: int) -> None:
-    """Return a clone of output ``i``; of an input, made at the end of the graph, after
-    any write into it (a step that writes an input in place returns its new value)."""
+def _clone_at(gm: torch.fx.GraphModule, values: list, i: int, changed: set[Node]) -> None:
+    """Return a clone of output ``i``. A clone of an input the graph writes (one of
+    ``changed``) is made at the end, after the write (a step that writes an input in
+    place returns its new value); of any other input, at the start, before a donated
+    output computed in place in it (:mod:`reinplace`) can change it."""
     node = values[i]
-    where = node if node.op != "placeholder" else output_node(gm.graph).prev
+    if node.op != "placeholder":
+        where = node
+    elif node in changed:
+        where = output_node(gm.graph).prev
+    else:
+        where = placeholders(gm.graph)[-1]
     with gm.graph.inserting_after(where):
         clone = gm.graph.call_function(torch.ops.aten.clone.default, (node,))
     clone.meta = dict(node.meta)
     values[i] = clone
 
 
-def _clone_sharing(gm: torch.fx.GraphModule, values: list, owners: set, skip: set[int]) -> None:
+def _clone_sharing(gm: torch.fx.GraphModule, values: list, owners: set, changed: set[Node], skip: set[int]) -> None:
     """Clone each output (other than ``skip``) that is one of ``owners`` or a view of one.
 
     A donated input returned unchanged at a position not in ``skip`` is cloned too,
@@ -189,4 +215,4 @@ def _clone_sharing(gm: torch.fx.GraphModule, values: list, owners: set, skip: se
         if node.op == "placeholder" and not skip:
             continue
         if node in owners or memory_root(node) in owners:
-            _clone_at(gm, values, i)
+            _clone_at(gm, values, i, changed)
