@@ -177,3 +177,31 @@ def test_an_outer_grad_over_the_fused_loss_says_what_to_do():
     lowered, (new, value) = run_lowered(sgd_step(penalized), params, batch, kernels=("adamw", "gelu_mlp"))
     expected_new, expected = sgd_step(penalized)(params, batch)
     torch.testing.assert_close(value, expected, rtol=1e-6, atol=0)
+
+
+HEADS_STORED_TRANSPOSED = {
+    "matmul": lambda p, x, y: F.cross_entropy(torch.tanh(x @ p["w1"]) @ p["head_t"], y),
+    "linear_of_t": lambda p, x, y: F.cross_entropy(F.linear(torch.tanh(x @ p["w1"]), p["head_t"].t()), y),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(HEADS_STORED_TRANSPOSED))
+def test_a_head_stored_features_by_classes_trains_as_in_eager_through_inductor(name):
+    """``logits = h @ E`` with ``E`` of ``[features, classes]``: the fused loss's weight is
+    ``E.t()``, a transposed view, and its gradient must reach ``E`` in ``E``'s layout
+    through the generated code (its fake once claimed ``E.t()``'s strides, and Inductor
+    read the real, row-major gradient transposed: a wrong gradient, the loss right)."""
+    params, batch = params_and_batch()
+    params = {"w1": params["w1"], "head_t": params["head"].t().contiguous()}
+    loss = HEADS_STORED_TRANSPOSED[name]
+    step = sgd_step(lambda p, b: loss(p, *b))
+    fused = sg.static(sg.fuse(step), donate="params")
+    assert "sgraph.linear_cross_entropy.default" in targets(sg.fuse(step).lower(params, batch))
+    mine, ref = {k: v.clone() for k, v in params.items()}, params
+    for _ in range(3):
+        mine, value = fused(mine, batch)
+        ref, expected = step(ref, batch)
+        torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6)
+        for k in ref:
+            torch.testing.assert_close(mine[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)

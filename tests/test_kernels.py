@@ -338,3 +338,66 @@ def test_the_adamw_op_runs_the_own_kernel_on_leaves_in_any_layouts(monkeypatch):
     for actual, reference in zip((params, mu, nu), expected):
         for a, e in zip(actual, reference):
             torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- fake layouts
+
+
+def _layout_cases():
+    """Each own op with inputs in odd layouts (transposed, a strided slice), as
+    ``(name, op, args)``."""
+    from test_optim_layouts import channels_last, strided, transposed
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(16, 12, generator=g).t()  # [12, 16], transposed in memory
+    head_t = torch.randn(16, 1100, generator=g).t()  # [1100, 16]: a [features, classes] head, as x @ E
+    target = torch.randint(0, 1100, (12,), generator=g)
+    w1 = torch.randn(16, 24, generator=g).t()  # [24, 16]
+    b1 = torch.randn(24, generator=g)
+    w2 = torch.randn(16, 24, generator=g)
+    pre = torch.randn(24, 12, generator=g).t()  # [12, 24]
+    grad = torch.randn(16, 12, generator=g).t()  # [12, 16]
+    shapes = [(4, 3, 2, 5), (7, 8), (6, 5)]
+    params = [channels_last(torch.randn(shapes[0], generator=g)), strided(torch.randn(7, 8, generator=g))]
+    params.append(transposed(torch.randn(6, 5, generator=g)))
+    grads = [torch.randn(s, generator=g) for s in shapes]
+    mu = [transposed(torch.randn(s, generator=g)) if len(s) == 2 else torch.randn(s, generator=g) for s in shapes]
+    nu = [torch.rand(s, generator=g) for s in shapes]
+    adam = (params, grads, mu, nu, torch.tensor(2.0), torch.tensor(1e-2), 0.9, 0.99, 1e-8, 0.1)
+    ops = torch.ops.sgraph
+    return [
+        ("linear_cross_entropy, transposed weight", ops.linear_cross_entropy, (x, head_t, target, -100, 0.0, True)),
+        (
+            "linear_cross_entropy, dense weight",
+            ops.linear_cross_entropy,
+            (x.contiguous(), head_t.contiguous(), target, -100, 0.1, False),
+        ),
+        ("gelu_linear", ops.gelu_linear, (x, w1, b1)),
+        ("gelu_linear_backward", ops.gelu_linear_backward, (grad, w2, pre)),
+        ("adamw", ops.adamw, adam),
+    ]
+
+
+def _tensors(out):
+    return [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("case", range(5))
+def test_each_own_op_returns_the_layouts_its_fake_says(case, device):
+    """Inductor lays out the code around an own op by what its fake implementation
+    returns; a real output in another layout is read wrongly (``x @ E`` with a
+    ``[features, classes]`` head gave a wrong gradient through the fused loss)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import sgraph._src.kernels  # noqa: F401 - registers the ops
+
+    name, op, args = _layout_cases()[case]
+    args = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), args)
+    real = _tensors(op(*args))
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fake_args = torch.utils._pytree.tree_map_only(torch.Tensor, mode.from_tensor, args)
+        fake = _tensors(op(*fake_args))
+    assert len(real) == len(fake), name
+    for i, (r, f) in enumerate(zip(real, fake)):
+        assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype), f"{name}: output {i}"

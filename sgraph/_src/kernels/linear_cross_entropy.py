@@ -77,7 +77,9 @@ def _linear_cross_entropy(
 
 @_linear_cross_entropy.register_fake
 def _(x: Tensor, weight: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, mean: bool):
-    return x.new_empty((), dtype=torch.float32), torch.empty_like(x), torch.empty_like(weight)
+    # The layouts the op returns: ``grad_x`` like ``x`` (``empty_like``), ``grad_W`` dense
+    # row-major whatever ``weight``'s strides (a transposed ``[features, classes]`` head).
+    return x.new_empty((), dtype=torch.float32), torch.empty_like(x), weight.new_empty(weight.shape)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
