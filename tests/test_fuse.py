@@ -208,6 +208,46 @@ def test_the_compile_settings_hold_inside_the_patch_only():
     assert _inductor_settings() == before
 
 
+def test_inductors_cache_keys_hold_sgraphs_source_and_the_users_tag():
+    """What sgraph's own ops tell Inductor (a fake's output layout) is in no key of
+    Inductor's caches: sgraph's source hash goes into torch's ``cache_key_tag`` while it
+    compiles, after the user's own tag, which is back afterwards."""
+    import torch.compiler.config as compiler_config
+
+    from sgraph._src.options import FuseOptions
+    from sgraph._src.runtime.inductor import inductor_config, sgraph_source_hash
+
+    own = sgraph_source_hash()
+    assert re.fullmatch(r"[0-9a-f]{32}", own)
+    with compiler_config.patch(cache_key_tag="mine"):
+        with inductor_config(FuseOptions()):
+            assert compiler_config.cache_key_tag == f"mine|sgraph-{own}"
+        assert compiler_config.cache_key_tag == "mine"
+    with inductor_config(FuseOptions()):
+        assert compiler_config.cache_key_tag == f"sgraph-{own}"
+    assert compiler_config.cache_key_tag == ""
+
+
+def test_another_sgraph_source_misses_inductors_cache(monkeypatch):
+    """The same step compiled again in this process loads Inductor's cached code; with
+    sgraph's source changed (its hash), it compiles afresh."""
+    from torch._dynamo.utils import counters
+
+    from sgraph._src.runtime import inductor
+
+    def step(x):
+        return (x.sin() * 3).sum()
+
+    x = torch.randn(5)
+    sg.fuse(step)(x)
+    counters.clear()
+    sg.fuse(step)(x)
+    assert counters["inductor"]["fxgraph_cache_miss"] == 0
+    monkeypatch.setattr(inductor, "sgraph_source_hash", lambda: "0" * 32)
+    sg.fuse(step)(x)
+    assert counters["inductor"]["fxgraph_cache_miss"] == 1
+
+
 def test_user_compile_afterwards_is_unaffected(run):
     from torch._inductor import config
 

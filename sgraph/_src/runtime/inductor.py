@@ -21,12 +21,15 @@ would compute a recomputed copy in the forward again (see :func:`copies_in_place
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import logging
 import operator
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -371,8 +374,45 @@ def inductor_config(options: FuseOptions) -> Iterator[None]:
         "trace.provenance_tracking_level": 1,  # which node went into which kernel
     }
     known = {k: v for k, v in patches.items() if _has_option(config, k)}
-    with config.patch(known), functorch_config.patch(enable_autograd_cache=True), _without_fx_stack_traces():
+    with (
+        config.patch(known),
+        functorch_config.patch(enable_autograd_cache=True),
+        _sgraph_cache_tag(),
+        _without_fx_stack_traces(),
+    ):
         yield
+
+
+@contextlib.contextmanager
+def _sgraph_cache_tag() -> Iterator[None]:
+    """sgraph's own source in every key of Inductor's and AOTAutograd's caches.
+
+    Those keys cover the graph, its inputs, the settings, torch and Triton, but not what
+    sgraph's own ops tell Inductor about themselves: a fake implementation's output
+    layout, a lowering, a decomposition. A cached artifact compiled against another
+    version of them reads the op's outputs in a layout the op no longer returns (a
+    silent wrong result). torch's ``cache_key_tag``, which every key includes, gets a
+    hash of sgraph's source files for the compile (after the user's own tag, if any)."""
+    import torch.compiler.config as compiler_config
+
+    if not hasattr(compiler_config, "cache_key_tag"):
+        yield
+        return
+    tag = compiler_config.cache_key_tag
+    own = f"sgraph-{sgraph_source_hash()}"
+    with compiler_config.patch(cache_key_tag=f"{tag}|{own}" if tag else own):  # type: ignore[attr-defined]
+        yield
+
+
+@functools.cache
+def sgraph_source_hash() -> str:
+    """A hash of the sgraph package's Python files (paths and contents), once per process."""
+    root = Path(__file__).resolve().parents[2]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:32]
 
 
 @contextlib.contextmanager
