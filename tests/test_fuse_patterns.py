@@ -205,3 +205,38 @@ def test_a_head_stored_features_by_classes_trains_as_in_eager_through_inductor(n
         torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6)
         for k in ref:
             torch.testing.assert_close(mine[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        lambda p, x, y: F.cross_entropy((x @ p["head"].T).to(torch.bfloat16).float(), y),  # rounds the logits
+        lambda p, x, y: F.cross_entropy((x @ p["head"].T).to(torch.int32).to(torch.float32), y),  # cuts the grad
+    ],
+    ids=["bf16_round_trip", "int_round_trip"],
+)
+def test_logits_cast_other_than_up_to_fp32_are_not_matched(loss):
+    params, batch = params_and_batch()
+    step = sgd_step(lambda p, b: loss(p, *b))
+    lowered, (new, value) = run_lowered(step, params, batch)
+    assert "sgraph.linear_cross_entropy.default" not in targets(lowered)
+    expected_new, expected = step(params, batch)
+    torch.testing.assert_close(value, expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(new["head"], expected_new["head"], rtol=1e-5, atol=1e-6)
+
+
+def test_the_fused_loss_has_the_dtype_of_the_ordinary_one():
+    """bf16 logits not cast up: F.cross_entropy returns a bf16 loss, and so does the fused
+    one (computed in fp32 inside)."""
+    params, batch = params_and_batch()
+    params = {k: v.bfloat16() for k, v in params.items()}
+    batch = (batch[0].bfloat16(), batch[1])
+
+    def loss(p, b):
+        return F.cross_entropy(b[0] @ p["head"].T, b[1])
+
+    lowered, (_, value) = run_lowered(sgd_step(loss), params, batch)
+    assert "sgraph.linear_cross_entropy.default" in targets(lowered)
+    expected = loss(params, batch)
+    assert value.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(value, expected, rtol=1e-2, atol=0)

@@ -135,7 +135,7 @@ class LinearCrossEntropyMode(TorchFunctionMode):
             weight = self._transposed[id(right)][1] if id(right) in self._transposed else None
             watched = _watch(first, right, *([] if weight is None else [weight]), out)
             self._logits[id(out)] = (out, _Logits(first, right, weight, out.dtype, watched))
-        elif func in _RESHAPES and id(first) in self._logits and _same_rows(first, out):
+        elif func in _RESHAPES and id(first) in self._logits and _same_rows(first, out) and _kept_or_upcast(first, out):
             self._logits[id(out)] = (out, self._logits[id(first)][1].through(out))
 
     def _cross_entropy(self, args: Any, kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -151,7 +151,7 @@ class LinearCrossEntropyMode(TorchFunctionMode):
         if origin is None or not origin.unchanged() or not _supported(a, logits, target, origin):
             return None
         x = origin.x.reshape(-1, origin.x.shape[-1])
-        return linear_cross_entropy(
+        loss = linear_cross_entropy(
             x.to(origin.dtype),
             origin.weight_rows().to(origin.dtype),
             target,
@@ -159,6 +159,7 @@ class LinearCrossEntropyMode(TorchFunctionMode):
             label_smoothing=a["label_smoothing"],
             reduction=a["reduction"],
         )
+        return loss.to(logits.dtype)  # computed in fp32; returned in the dtype F.cross_entropy returns
 
 
 def _watch(*tensors: torch.Tensor | None) -> tuple[tuple[torch.Tensor, int], ...]:
@@ -175,6 +176,13 @@ def _same_rows(before: torch.Tensor, after: torch.Tensor) -> bool:
     return after.numel() == before.numel() and after.dim() >= 1 and after.shape[-1] == before.shape[-1]
 
 
+def _kept_or_upcast(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """A cast the fused loss may look through: none, or to fp32 from a floating type (a
+    round trip through bf16 rounds the logits, a cast to an integer type cuts their
+    gradient: the kernel, computing from ``x`` and ``W``, would do neither)."""
+    return after.dtype == before.dtype or (after.dtype == torch.float32 and before.dtype.is_floating_point)
+
+
 def _supported(a: dict[str, Any], logits: torch.Tensor, target: Any, origin: _Logits) -> bool:
     classes = logits.shape[-1] if logits.dim() else 0
     return (
@@ -185,12 +193,12 @@ def _supported(a: dict[str, Any], logits: torch.Tensor, target: Any, origin: _Lo
         and logits.dtype in (torch.float32, origin.dtype)
         and isinstance(target, torch.Tensor)
         and target.dim() == 1
-        and target.dtype in (torch.int64, torch.int32)
+        and target.dtype == torch.int64  # what F.cross_entropy takes (it refuses int32)
         and a["weight"] is None
         and a["size_average"] is None
         and a["reduce"] is None
         and a["reduction"] in ("mean", "sum")
-        and isinstance(a["ignore_index"], int)
+        and type(a["ignore_index"]) is int  # not a bool, which F.cross_entropy refuses
         and isinstance(a["label_smoothing"], (int, float))
     )
 
