@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -144,3 +145,65 @@ def test_batchnorm_train_and_eval_each_match_eager():
     model.eval()
     out, _ = step(params, new_buffers, x)
     assert torch.equal(out, model(x))  # eval mode: the running statistics
+
+
+_HELD = {}  # a module the step reads as a global
+
+
+class _Holder:
+    def __init__(self, module):
+        self.module = module
+
+
+def _via_global(d):
+    _HELD["drop"] = d
+    return lambda x: _HELD["drop"](x)
+
+
+def _via_helper(d):
+    def helper(x):
+        return d(x)
+
+    return lambda x: helper(x)
+
+
+def _via_nested_static(d):
+    inner = sg.static(lambda x: d(x), retrace="allow")
+    return lambda x: inner(x) + 0
+
+
+REACHED = {
+    "global": _via_global,
+    "helper_closure": _via_helper,
+    "closed_over_list": lambda d: (lambda mods: lambda x: mods[0](x))([d]),
+    "plain_object_attribute": lambda d: (lambda h: lambda x: h.module(x))(_Holder(d)),
+    "partial": lambda d: functools.partial(lambda m, x: m(x), d),
+    "the_module_itself": lambda d: d,
+    "nested_sg_static": _via_nested_static,
+}
+
+
+@pytest.mark.parametrize("how", list(REACHED))
+def test_a_module_reached_any_way_retraces_on_its_mode_switch(how):
+    """A parameter-free module (Dropout) the step calls however it reaches it: after
+    ``eval()`` the call traces again and gives eager's result, not the traced dropout."""
+    drop = nn.Dropout(0.5)
+    step = sg.static(REACHED[how](drop), retrace="allow")
+    x = torch.ones(4, 16)
+    assert not torch.equal(step(x), x)
+    drop.eval()
+    assert torch.equal(step(x), x)
+    assert step.trace_count == 2
+    drop.train()
+    assert not torch.equal(step(x), x)
+
+
+@pytest.mark.slow
+def test_under_fuse_a_global_modules_mode_switch_retraces():
+    drop = nn.Dropout(0.5)
+    step = sg.fuse(_via_global(drop))
+    x = torch.ones(4, 16)
+    assert not torch.equal(step(x), x)
+    drop.eval()
+    with pytest.warns(sg.RetraceWarning, match=r"training mode of the root module \(Dropout\) changed"):
+        assert torch.equal(step(x), x)

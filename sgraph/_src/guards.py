@@ -2,7 +2,8 @@
 
 A traced step bakes in Python state that is not among its arguments: global modes
 (grad mode, autocast, default dtype, backend switches that pick kernels) and the
-training flags of the modules its ``sg.functional`` apply functions run. Each is
+training flags of the modules it runs (through ``sg.functional`` apply functions or
+called directly, however it reaches them). Each is
 snapshotted when the step is traced and compared on every call; a difference makes
 the call miss the cache (and retrace under the retrace policy), and the retrace
 message names what changed.
@@ -163,14 +164,24 @@ _local = threading.local()
 @contextmanager
 def tracing() -> Iterator[list[nn.Module]]:
     """Mark this thread as tracing a step; yields the list that collects the modules
-    whose training flags the trace reads (see :func:`note_module`)."""
+    whose training flags the trace reads (see :func:`note_module`): each module called
+    while the step is traced, however the step reaches it (a global, a helper's
+    closure, a ``functools.partial``, a list, the module as the step itself, a nested
+    ``sg.static``), through a forward pre-hook on all modules held for the trace only
+    (held, torch's module calls take their slower path with hooks everywhere)."""
     stack: list[list[nn.Module]] = _local.__dict__.setdefault("stack", [])
     collected: list[nn.Module] = []
     stack.append(collected)
+    hook = nn.modules.module.register_module_forward_pre_hook(_note_called)
     try:
         yield collected
     finally:
+        hook.remove()
         stack.pop()
+
+
+def _note_called(module: nn.Module, args: Any) -> None:
+    note_module(module)
 
 
 def is_tracing() -> bool:
