@@ -7,6 +7,7 @@ per module (fixtures) and the tests read it from several sides.
 from __future__ import annotations
 
 import re
+import uuid
 
 import pytest
 import torch
@@ -243,7 +244,8 @@ def test_another_sgraph_source_misses_inductors_cache(monkeypatch):
     counters.clear()
     sg.fuse(step)(x)
     assert counters["inductor"]["fxgraph_cache_miss"] == 0
-    monkeypatch.setattr(inductor, "sgraph_source_hash", lambda: "0" * 32)
+    other = uuid.uuid4().hex  # a hash no earlier run left entries under
+    monkeypatch.setattr(inductor, "sgraph_source_hash", lambda: other)
     sg.fuse(step)(x)
     assert counters["inductor"]["fxgraph_cache_miss"] == 1
 
