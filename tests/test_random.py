@@ -396,3 +396,25 @@ def test_errors_name_api_argument_expected_found_and_fix(name):
     with pytest.raises(error, match=match) as info:
         call()
     assert re.search(r"; (pass|make|index|cast|reshape) ", str(info.value))  # the fix
+
+
+def test_draws_from_a_key_passed_to_a_sharded_step_are_eagers(mesh):
+    """Under sg.shard a key (or a counter folded into one) comes in as a replicated
+    DTensor, on which DTensor took ``>>`` / ``<<`` for in-place ops and returned their
+    input: uniform draws collapsed to a few values and dropout kept everything."""
+    one = sg.mesh(dp=1, device_type="cpu")
+
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    def step(key, count):
+        key, sub = sg.random.split(sg.random.fold_in(key, count))
+        shifted = (count >> 3, count << 3)  # the user's own shifts too
+        return key, sg.random.uniform(sub, (4096,)), sg.random.dropout(sub, torch.ones(4096), 0.5), shifted
+
+    key, count = sg.random.key(0), torch.tensor(77)
+    want = step(key, count)
+    for f in (sg.shard(one)(step), sg.static(sg.shard(one)(step))):
+        got = sg.tree.map(full, f(key, count))
+        for g, w in zip(sg.tree.leaves(got), sg.tree.leaves(want)):
+            assert torch.equal(g, w)

@@ -13,6 +13,7 @@ FSDP gathers are noted here, and ``sg.grad`` differentiates through the gather
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Container, Iterator, Sequence
 from contextlib import contextmanager
@@ -113,6 +114,51 @@ def compute_scope() -> Iterator[dict[int, tuple[Any, ...]]]:
         yield table
     finally:
         _COMPUTE.table = previous
+
+
+_SHIFTS = {
+    "__rshift__.Scalar": "bitwise_right_shift.Tensor_Scalar",
+    "__rshift__.Tensor": "bitwise_right_shift.Tensor",
+    "__lshift__.Scalar": "bitwise_left_shift.Tensor_Scalar",
+    "__lshift__.Tensor": "bitwise_left_shift.Tensor",
+}
+
+
+def _aten(name: str) -> Any:
+    packet, overload = name.split(".")
+    return getattr(getattr(torch.ops.aten, packet), overload)
+
+
+@contextmanager
+def exact_shifts() -> Iterator[None]:
+    """While tracing: ``x >> n`` and ``x << n`` on DTensors compute the shift.
+
+    DTensor takes an op whose schema name ends in ``_`` for an in-place one, and
+    ``aten::__rshift__`` / ``aten::__lshift__`` do: it returned the input unchanged
+    (a key folded with a sharded step's counter, ``(c >> 32) & mask``, was wrong, and
+    sg.random's draws from a key passed in collapsed to a few values). Their
+    ``bitwise_*_shift`` twins compute the same thing and are dispatched as what they are.
+    """
+    try:
+        from torch.distributed.tensor import DTensor
+
+        handlers = DTensor._op_dispatcher._custom_op_handlers
+    except (ImportError, AttributeError):
+        yield
+        return
+    ops = {_aten(name): _aten(twin) for name, twin in _SHIFTS.items()}
+    added = [op for op in ops if op not in handlers]
+    for op in added:
+        handlers[op] = functools.partial(_shift, ops[op])
+    try:
+        yield
+    finally:
+        for op in added:
+            handlers.pop(op, None)
+
+
+def _shift(twin: Any, call: Any, args: Any, kwargs: Any) -> Any:
+    return twin(*args, **kwargs)
 
 
 def for_compute(original: Any, watched: Any) -> Any:

@@ -38,6 +38,7 @@ from .dtensors import (
     compute_scope,
     compute_table,
     dist_info,
+    exact_shifts,
     is_dtensor,
     local,
     matching_layout,
@@ -164,7 +165,7 @@ def trace(
     flat_fn, result = _flat_step(fn, api, in_spec, leaves, bound, kernels, compute, out_layout)
     # GuardMode adds the sync and RNG guards. The graph modules made here generate
     # their Python code when first called (only an eager run calls them), not here.
-    with _TRACE_LOCK, guards.tracing() as modules, compute_scope(), _use_lazy_graph_module(True):
+    with _TRACE_LOCK, guards.tracing() as modules, compute_scope(), exact_shifts(), _use_lazy_graph_module(True):
         autograd_graph = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
         _check_constant_writes(autograd_graph, api)
         explicit_running_stats(autograd_graph)

@@ -50,12 +50,13 @@ def bits(key: Tensor, shape: Shape) -> Tensor:
 
 def unit24(words: Tensor) -> Tensor:
     """The top 24 bits of 32-bit words as float32 in [0, 1 - 2**-24], exactly."""
-    return (words >> 8).to(torch.float32) * 2.0**-24
+    return torch.bitwise_right_shift(words, 8).to(torch.float32) * 2.0**-24  # not >> (see threefry._rotl)
 
 
 def unit53(w0: Tensor, w1: Tensor) -> Tensor:
     """Two 32-bit words as one float64 in [0, 1 - 2**-53], exactly."""
-    return (((w0 >> 5) << 26) | (w1 >> 6)).to(torch.float64) * 2.0**-53
+    high = torch.bitwise_left_shift(torch.bitwise_right_shift(w0, 5), 26)  # not >> / << (see threefry._rotl)
+    return (high | torch.bitwise_right_shift(w1, 6)).to(torch.float64) * 2.0**-53
 
 
 def box_muller(w0: Tensor, w1: Tensor, compute: torch.dtype) -> Tensor:

@@ -28,7 +28,10 @@ def _add(a: Word, b: Tensor) -> Tensor:
 
 
 def _rotl(x: Tensor, r: int) -> Tensor:
-    return ((x << r) | (x >> (32 - r))) & MASK
+    # torch.bitwise_*_shift, not ``<<`` / ``>>``: on a DTensor (a key passed to a step under
+    # sg.shard) DTensor takes ``aten::__rshift__`` for an in-place op by its name and returns
+    # the input unchanged
+    return (torch.bitwise_left_shift(x, r) | torch.bitwise_right_shift(x, 32 - r)) & MASK
 
 
 def threefry2x32(k0: Tensor, k1: Tensor, x0: Word, x1: Word) -> tuple[Tensor, Tensor]:
@@ -78,5 +81,5 @@ def stream(key: Tensor, n: int) -> Tensor:
         [1797259609, 2579123966]
     """
     counter = torch.arange((n + 1) // 2, dtype=torch.int64, device=key.device)
-    y0, y1 = threefry2x32(key[0], key[1], counter >> 32, counter & MASK)
+    y0, y1 = threefry2x32(key[0], key[1], torch.bitwise_right_shift(counter, 32), counter & MASK)
     return torch.stack((y0, y1), dim=-1).reshape(-1)[:n]
