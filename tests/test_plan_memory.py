@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -409,3 +410,50 @@ def test_budget_sizes_and_fractions():
 def test_applied_twice_raises():
     with pytest.raises(sg.ArgumentError, match=r"sg.plan_memory is applied twice"):
         sg.plan_memory(sg.plan_memory(lambda x: x))
+
+
+def _update_bound_mlp():
+    """A step whose peak is its optimizer update (params and moments, a small batch):
+    where donation, which writes the new params and moments into the old, matters most."""
+    g = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(64, 64, generator=g), "w2": torch.randn(64, 64, generator=g)}
+    params["w3"] = torch.randn(64, 8, generator=g)
+    opt = sg.optim.adamw(1e-2)
+    batches = [(torch.randn(16, 64, generator=g), torch.randint(0, 8, (16,), generator=g)) for _ in range(3)]
+
+    def step(params, opt_state, batch):
+        x, y = batch
+
+        def loss_fn(p):
+            return F.cross_entropy(torch.tanh(torch.tanh(x @ p["w1"]) @ p["w2"]) @ p["w3"], y)
+
+        loss, grads = sg.value_and_grad(loss_fn)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return sg.optim.apply_updates(params, updates), opt_state, {"loss": loss}
+
+    return step, params, opt.init(params), batches
+
+
+def test_with_donation_a_budget_is_met_by_the_step_as_it_runs():
+    """Donated params and state take their new values in their own memory: a budget the
+    donated step already meets unplanned is accepted (it was refused, measured on the
+    step before donation), the planned peak is the one ``memory_analysis()`` predicts for
+    the lowered step, and an unreachable budget's message gives the donated figures."""
+    from sgraph._src.passes.memory.plan import _mib
+
+    step, params, opt_state, batches = _update_bound_mlp()
+    donate = {"donate": ("params", "opt_state")}
+    unplanned = sg.static(step, **donate).lower(params, opt_state, batches[0]).memory_analysis().peak_bytes
+    lowered = sg.static(sg.plan_memory(budget=unplanned)(step), **donate).lower(params, opt_state, batches[0])
+    plan = lowered.memory_plan
+    assert plan.peak_after == lowered.memory_analysis().peak_bytes <= unplanned
+    assert plan.peak_before <= unplanned
+    with pytest.raises(sg.ArgumentError, match=rf"\(unplanned: {re.escape(_mib(plan.peak_before))}\)"):
+        sg.static(sg.plan_memory(budget=1)(step), **donate).lower(params, opt_state, batches[0])
+    planned = sg.static(sg.plan_memory(budget=unplanned)(step), **donate)
+    got = run_steps(planned, params, opt_state, batches)
+    _assert_bitwise(got, run_steps(sg.static(step, **donate), params, opt_state, batches))
+    for (loss_g, p_g), (loss_w, p_w) in zip(got, run_steps(step, params, opt_state, batches)):
+        torch.testing.assert_close(loss_g, loss_w, rtol=1e-5, atol=0)
+        for k in p_w:
+            torch.testing.assert_close(p_g[k], p_w[k], rtol=1e-5, atol=1e-6, msg=k)

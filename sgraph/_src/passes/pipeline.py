@@ -14,8 +14,11 @@ come last.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Any
 
+from ..errors import DonationWarning
 from ..options import Options
 from ..program import Program
 from .cleanup import cleanup
@@ -91,15 +94,31 @@ def _planned(program: Program, options: Options) -> Program:
     if isinstance(budget, float):
         budget = device_budget(budget, program)
     warn_unmatched_pins(program, memory)
-    planned, plan = plan_memory(_scheduled_if_lower(program), memory, budget, generated=options.fuse is not None)
+    as_run = functools.partial(_as_run, options=options) if program.donated else None
+    planned, plan = plan_memory(
+        _scheduled_if_lower(program, as_run), memory, budget, generated=options.fuse is not None, as_run=as_run
+    )
     return planned.replace(memory_plan=plan, passes=planned.passes + ("plan_memory",))
 
 
-def _scheduled_if_lower(program: Program) -> Program:
+def _as_run(program: Program, options: Options) -> Program:
+    """``program`` with the passes that follow the memory plan (donation, reinplace),
+    on a copy: a budget is met by the step as it runs, where donated params and state
+    take their new values in their own memory, not by the step before donation."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DonationWarning)  # said once, by the pipeline's own donation
+        return reinplace(donation(program), in_place=True, aten=options.fuse is None)
+
+
+def _scheduled_if_lower(program: Program, as_run: Any = None) -> Program:
     """The program with its optimizer updates moved up to where their gradients are
     final, if that lowers the predicted peak: an update run inside the backward frees
     its gradient early but makes its temporaries while activations are still live."""
     scheduled = schedule(program)
     if scheduled.graph_module is program.graph_module:
         return program
-    return scheduled if memory_analysis(scheduled).peak_bytes < memory_analysis(program).peak_bytes else program
+
+    def peak(p: Program) -> int:
+        return memory_analysis(as_run(p) if as_run else p).peak_bytes
+
+    return scheduled if peak(scheduled) < peak(program) else program

@@ -72,10 +72,17 @@ class MemoryPlan:
 
 
 def plan_memory(
-    program: Program, options: MemoryOptions, budget: int | None, *, generated: bool = False
+    program: Program,
+    options: MemoryOptions,
+    budget: int | None,
+    *,
+    generated: bool = False,
+    as_run: Callable[[Program], Program] | None = None,
 ) -> tuple[Program, MemoryPlan]:
     """Rematerialize per ``options`` so the predicted peak fits ``budget`` bytes
-    (``generated``: the step runs on ``sg.fuse``'s kernels, see :func:`memory_analysis`).
+    (``generated``: the step runs on ``sg.fuse``'s kernels, see :func:`memory_analysis`;
+    ``as_run``: the passes after this one, applied to a copy before each peak is
+    predicted, so peaks are those of the step as it runs, donation included).
 
     Raises:
         ArgumentError: the budget cannot be met; the message gives the smallest
@@ -84,7 +91,7 @@ def plan_memory(
     pinned, candidates = _ordered(program, options)
 
     def peak_of(program: Program) -> int:
-        return memory_analysis(program, generated=generated).peak_bytes
+        return memory_analysis(as_run(program) if as_run else program, generated=generated).peak_bytes
 
     before = peak_of(program)
     if budget is None:
