@@ -8,27 +8,15 @@ and the GPU time of ``copy_lists`` on its static buffers against a ``copy_`` per
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
 
 import torch
+from bench_copies import gpu_us
 from benchmark import VARIANTS, event_times
 from torch.profiler import ProfilerActivity, profile
 
 from sgraph._src.runtime.eager import copy_lists
 
 STEPS = 5
-
-
-def gpu_us(f: Callable[[], object], n: int = 20) -> float:
-    """GPU us per call of ``f``."""
-    for _ in range(10):
-        f()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(n):
-            f()
-        torch.cuda.synchronize()
-    return sum(e.device_time_total for e in p.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA) / n
 
 
 def static_buffers(compiled: object) -> list[torch.Tensor] | None:
@@ -60,9 +48,9 @@ def main() -> None:
             continue
         print("  static inputs:", [(tuple(b.shape), str(b.dtype)) for b in buffers])
         sources = [b.clone() for b in buffers]
-        lists = gpu_us(lambda buffers=buffers, sources=sources: copy_lists(buffers, sources))
+        lists = gpu_us(lambda buffers=buffers, sources=sources: copy_lists(buffers, sources))[0]
         print(f"  copy_lists: {lists:.2f} us GPU per call")
-        each = gpu_us(lambda buffers=buffers, sources=sources: [b.copy_(s) for b, s in zip(buffers, sources)])
+        each = gpu_us(lambda buffers=buffers, sources=sources: [b.copy_(s) for b, s in zip(buffers, sources)])[0]
         print(f"  copy_ each: {each:.2f} us GPU per call")
         del run
 
