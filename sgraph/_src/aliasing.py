@@ -110,21 +110,21 @@ class AliasGuard:
     def _full_check(self, ptrs: list[int]) -> list[int]:
         """Positions of non-donated inputs to copy; raises for overlaps it cannot undo."""
         copies = []
-        for a, b in _overlaps(ptrs, self.extent):
-            if self.is_donated[a] and self.is_donated[b]:
+        n = len(ptrs)  # positions from n on are the constants
+        starts = ptrs + [t.data_ptr() for _, t in self.constants]
+        sizes = self.extent + [_extent(t) for _, t in self.constants]
+        donated_at = self.is_donated + [False] * len(self.constants)
+        for a, b in _overlaps(starts, sizes):
+            if donated_at[a] and donated_at[b]:
                 raise ArgumentError(self._both_donated(a, b))
-            donated, other = (a, b) if self.is_donated[a] else (b, a)
-            if not self.is_donated[donated]:
+            donated, other = (a, b) if donated_at[a] else (b, a)
+            if not donated_at[donated]:
                 continue  # neither is donated: nothing writes either
+            if other >= n:
+                raise ArgumentError(self._constant(donated, self.constants[other - n][0]))
             if donated in self.written:
                 raise ArgumentError(self._written(donated, other))
             copies.append(other)
-        for what, constant in self.constants:
-            start = constant.data_ptr()
-            end = start + _extent(constant)
-            for i in self.donated:
-                if self.extent[i] and ptrs[i] < end and start < ptrs[i] + self.extent[i]:
-                    raise ArgumentError(self._constant(i, what))
         return sorted(set(copies))
 
     def _constant(self, donated: int, what: str) -> str:

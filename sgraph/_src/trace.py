@@ -299,7 +299,7 @@ def _return_written_inputs(autograd_graph: torch.fx.GraphModule, functional: tor
     functional graph returns that input again rather than its new value: eager hands
     back the very tensor passed in, and so does the compiled step (the trailing
     ``copy_`` writes the new value into it, as into any written donated input)."""
-    before = placeholders(autograd_graph.graph)
+    before = {node: i for i, node in enumerate(placeholders(autograd_graph.graph))}
     inputs = placeholders(functional.graph)
     written = {alias_root(a) for node in functional.graph.nodes for a in written_args(node)}
     values = returned(functional.graph)
@@ -307,7 +307,7 @@ def _return_written_inputs(autograd_graph: torch.fx.GraphModule, functional: tor
     for position, node in enumerate(returned(autograd_graph.graph)):
         root = alias_root(node) if isinstance(node, torch.fx.Node) else None
         if root is not None and root.op == "placeholder" and _same_layout(node, root):
-            target = inputs[before.index(root)]
+            target = inputs[before[root]]
             if target in written and values[position] is not target:
                 values[position] = target
                 changed = True

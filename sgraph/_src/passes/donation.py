@@ -95,10 +95,11 @@ def _match(program: Program, values: list, inputs: list, written: set[int]) -> l
     matched = {i for _, i in aliases}
     candidates = _Candidates(outputs, values)
     for index in sorted(program.donated - written - matched):
-        choice = None if _overlaps_itself(inputs[index]) else candidates.choose(leaves[index], used)
+        overlapping = _overlaps_itself(inputs[index])
+        choice = None if overlapping else candidates.choose(leaves[index], used)
         if choice is None and index in away:
             choice = away[index]  # rule 1 after all
-        elif choice is None and _overlaps_itself(inputs[index]):
+        elif choice is None and overlapping:
             _warn_unused(program, index, "its elements share memory (an expanded view), so it cannot hold a result")
         elif choice is None:
             _warn_unused(program, index)

@@ -66,9 +66,8 @@ def _data_words(data: object, device: torch.device) -> tuple[Word, Word]:
         return data >> 32, data & MASK
     if isinstance(data, Tensor) and data.ndim == 0 and _is_integer_dtype(data.dtype):
         data = data.to(device=device, dtype=torch.int64)
-        return torch.bitwise_right_shift(
-            data, 32
-        ) & MASK, data & MASK  # two's complement, as for ints; not >>: see threefry._rotl
+        high = torch.bitwise_right_shift(data, 32)  # not >>: see threefry._rotl
+        return high & MASK, data & MASK  # two's complement, as for ints
     raise ArgumentTypeError(
         "sg.random.fold_in: data must be an int in [-2**63, 2**64) or a 0-d integer "
         f"tensor; found {describe(data)}; pass e.g. the step counter"
