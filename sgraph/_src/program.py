@@ -314,6 +314,17 @@ def placeholders(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     return [n for n in graph.nodes if n.op == "placeholder"]
 
 
+def tensor_constants(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, torch.Tensor]]:
+    """The graph's ``get_attr`` nodes that read a tensor (what the step closed over: a
+    module's buffer, a mask), in graph order, each with its tensor."""
+    found = []
+    for node in gm.graph.nodes:
+        value = getattr(gm, cast(str, node.target), None) if node.op == "get_attr" else None
+        if isinstance(value, torch.Tensor):
+            found.append((node, value))
+    return found
+
+
 def output_node(graph: torch.fx.Graph) -> torch.fx.Node:
     """The graph's output node; its ``args[0]`` lists the returned values."""
     return next(n for n in graph.nodes if n.op == "output")

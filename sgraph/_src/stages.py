@@ -29,7 +29,7 @@ from .passes.memory.analysis import MemoryAnalysis, memory_analysis
 from .passes.memory.plan import MemoryPlan
 from .passes.pipeline import lower as run_passes
 from .passes.shard.cost import CostAnalysis, Links, cost_analysis
-from .program import Program, compute_ops
+from .program import Program, compute_ops, tensor_constants
 from .runtime.eager import EagerExecutable
 from .signature import Signature, signature_of
 from .source import SOURCE_KEY, where
@@ -398,12 +398,8 @@ def _alias_guard(program: Program, traced: Traced) -> AliasGuard:
 
 def _constants(program: Program) -> list[tuple[str, torch.Tensor]]:
     """The tensors the step closed over, each described by its shape and the line reading it."""
-    gm = program.graph_module
     found = []
-    for node in gm.graph.nodes:
-        value = getattr(gm, cast(str, node.target), None) if node.op == "get_attr" else None
-        if not isinstance(value, torch.Tensor):
-            continue
+    for node, value in tensor_constants(program.graph_module):
         source = next((u.meta[SOURCE_KEY] for u in node.users if SOURCE_KEY in u.meta), None)
         found.append((f"a tensor {describe_tensor(value.dtype, tuple(value.shape))}{where(source)}", value))
     return found

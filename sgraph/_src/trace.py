@@ -47,7 +47,16 @@ from .dtensors import (
 from .errors import CaptureError
 from .hidden import find_hidden_tensor
 from .patterns import GeluMlpMode, LinearCrossEntropyMode
-from .program import LeafInfo, Program, alias_root, output_node, placeholders, returned, written_args
+from .program import (
+    LeafInfo,
+    Program,
+    alias_root,
+    output_node,
+    placeholders,
+    returned,
+    tensor_constants,
+    written_args,
+)
 from .running_stats import explicit_running_stats, hidden_written_args
 from .source import GRAD_MODULE_KEY, MODULE_KEY
 from .tags import TAGS_KEY
@@ -330,11 +339,7 @@ def _lift_constants(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, dic
     inputs, so that functionalization sees them as tensors of the program: a clone of one
     (``sg.functional``'s buffers read through a closure) written in place is then an
     ordinary functional value, not a plain tensor written with a functional one."""
-    constants: dict[str, torch.Tensor] = {}
-    for node in gm.graph.nodes:
-        value = getattr(gm, cast(str, node.target)) if node.op == "get_attr" else None
-        if isinstance(value, torch.Tensor):
-            constants[cast(str, node.target)] = value
+    constants = {cast(str, node.target): value for node, value in tensor_constants(gm)}
     if not constants:
         return gm, constants
     graph = torch.fx.Graph()

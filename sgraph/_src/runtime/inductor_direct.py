@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from ..program import placeholders, written_args
+from ..program import placeholders, tensor_constants, written_args
 from .cache_files import write_atomically
 from .source_keys import remember_source_keys
 
@@ -98,23 +98,21 @@ def _lifted_constants(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, l
     fake mode that takes no real tensor, and the compiled code then reads the very
     tensors the step closed over, as the traced graph does: an in-place change to one
     between calls is seen by the next call."""
-    found = [
-        n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(getattr(gm, str(n.target), None), torch.Tensor)
-    ]
+    found = tensor_constants(gm)
     if not found:
         return gm, []
     lifted = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
     nodes = {n.name: n for n in lifted.graph.nodes}
     last = next(n for n in reversed(lifted.graph.nodes) if n.op == "placeholder")
     constants = []
-    for i, old in enumerate(found):
+    for i, (old, value) in enumerate(found):
         node = nodes[old.name]
         with lifted.graph.inserting_after(last):
             last = lifted.graph.placeholder(f"sgraph_constant_{i}")
         last.meta = dict(node.meta)
         node.replace_all_uses_with(last)
         lifted.graph.erase_node(node)
-        constants.append(getattr(gm, str(old.target)))
+        constants.append(value)
     lifted.graph.lint()
     lifted.recompile()
     return lifted, constants
