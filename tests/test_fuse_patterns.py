@@ -239,3 +239,19 @@ def test_the_fused_loss_has_the_dtype_of_the_ordinary_one():
     expected = loss(params, batch)
     assert value.dtype == expected.dtype == torch.bfloat16
     torch.testing.assert_close(value, expected, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("transform", [sg.static, sg.fuse], ids=["static", "fuse"])
+def test_class_targets_eager_refuses_are_refused_at_the_trace(transform):
+    """Eager's nll_loss refuses int32 class targets; its meta kernel does not, so the
+    trace checks them (a fused step would otherwise return a loss)."""
+    params, (x, y) = params_and_batch()
+    y = torch.where(y < 0, 0, y).int()
+
+    def loss(p, b):
+        return F.cross_entropy(b[0] @ p["head"].T, b[1])
+
+    with pytest.raises(RuntimeError, match="Long"):
+        loss(params, (x, y))
+    with pytest.raises(sg.CaptureError, match=r"takes class targets of dtype torch.int32.*\.long\(\)"):
+        transform(sgd_step(loss)).lower(params, (x, y))

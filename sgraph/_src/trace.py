@@ -58,7 +58,7 @@ from .program import (
     written_args,
 )
 from .running_stats import explicit_running_stats, hidden_written_args
-from .source import GRAD_MODULE_KEY, MODULE_KEY
+from .source import GRAD_MODULE_KEY, MODULE_KEY, where
 from .tags import TAGS_KEY
 
 __all__ = ["ArgLayout", "trace", "arg_layout", "positional_names"]
@@ -177,6 +177,7 @@ def trace(
     with _TRACE_LOCK, guards.tracing() as modules, compute_scope(), exact_shifts(), _use_lazy_graph_module(True):
         autograd_graph = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
         _check_constant_writes(autograd_graph, api)
+        _check_class_targets(autograd_graph, api)
         explicit_running_stats(autograd_graph)
         functional = _functionalize(autograd_graph, tensors, api)
         if functional is not autograd_graph:
@@ -415,6 +416,24 @@ def _check_constant_writes(gm: torch.fx.GraphModule, api: str) -> None:
             if root.op == "get_attr":
                 shape = tuple(getattr(gm, cast(str, root.target)).shape)
                 raise CaptureError(constant_write_message(api, node.target, shape, node.meta.get(SOURCE_KEY)))
+
+
+_CLASS_TARGET_OPS = (torch.ops.aten.nll_loss_forward.default, torch.ops.aten.nll_loss2d_forward.default)
+
+
+def _check_class_targets(gm: torch.fx.GraphModule, api: str) -> None:
+    """Raise for class targets of a dtype ATen's ``nll_loss`` refuses when it runs: its
+    meta kernel does not check them, so a fused step would compute a loss eager cannot."""
+    for node in gm.graph.nodes:
+        if node.target not in _CLASS_TARGET_OPS:
+            continue
+        target = node.args[1].meta.get("val") if isinstance(node.args[1], torch.fx.Node) else None
+        if isinstance(target, torch.Tensor) and target.dtype not in (torch.int64, torch.uint8):
+            raise CaptureError(
+                f"{api}: the loss{where(node.meta.get(SOURCE_KEY))} takes class targets of dtype "
+                f"{target.dtype}; cross_entropy / nll_loss take int64 (or uint8) class indices, and "
+                "raise for these when run eagerly. Pass the targets as `.long()`."
+            )
 
 
 def _check_input_writes(autograd_graph: torch.fx.GraphModule, program: Program) -> None:
