@@ -158,3 +158,29 @@ def test_the_same_step_without_a_spec_replicates_plain_tensors(mesh) -> None:
     step, full, opt = _setup()
     lowered = sg.shard(mesh)(step).lower(full, opt.init(full), (torch.randn(2, 128), torch.randn(2, 128)))
     assert collectives(lowered.program.graph) == []
+
+
+def _agreement_record(sent: list[str], groups: list[list[int]]) -> dict:
+    return {
+        "hash": "h",
+        "inputs": [],
+        "ops": [line.split(":")[0] for line in sent],
+        "sent": sent,
+        "groups": groups,
+        "replicated": {},
+    }
+
+
+def test_agreement_compares_collective_shapes_within_each_group_only():
+    """Rows of a 2 x 2 mesh may all-reduce other shapes (a shard uneven over the other
+    axis); two ranks of one group may not."""
+    from sgraph._src.agreement import _difference
+
+    row_0, row_1 = "all_reduce over 2 ranks: f32[29] -> f32[29]", "all_reduce over 2 ranks: f32[22] -> f32[22]"
+    rows = [[0, 1], [0, 1], [2, 3], [2, 3]]
+    fine = [_agreement_record([line], [rows[r]]) for r, line in enumerate([row_0, row_0, row_1, row_1])]
+    assert _difference("step", fine) is None
+    torn = [_agreement_record([line], [rows[r]]) for r, line in enumerate([row_0, row_0, row_1, row_0])]
+    message = _difference("step", torn)
+    assert message is not None and "ranks 2 and 3 run collective 0 of the step together" in message
+    assert "f32[22]" in message and "f32[29]" in message

@@ -3,10 +3,14 @@
 Ranks that compiled different programs (other shapes, other code, other control
 flow) would issue different collectives and wait on each other forever. So on its
 first call each rank publishes a hash of its program's inputs and collectives (the
-rest may differ by rank: each rank slices its own shard), and checksums of the inputs
-it holds as replicated, through the process group's store, and waits (with a
-timeout) for all the others. A difference raises on every rank, naming it; a rank
-that never arrives is named when the timeout ends.
+rest may differ by rank: each rank slices its own shard), the shapes each collective
+sends, and checksums of the inputs it holds as replicated, through the process
+group's store, and waits (with a timeout) for all the others. All ranks must run the
+same collectives in the same order; the shapes need only agree among the ranks of
+each collective's group (on a 2-D mesh, a shard uneven along one axis is a row of
+other shapes than the next row's, whose collectives never meet its own). A
+difference raises on every rank, naming it; a rank that never arrives is named when
+the timeout ends.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch.fx
 from .capture import SOURCE_KEY
 from .dtensors import is_dtensor
 from .errors import CaptureError
-from .passes.shard.collectives import collectives
+from .passes.shard.collectives import collectives, group_ranks
 from .program import Program
 from .text import describe_tensor
 
@@ -57,16 +61,20 @@ def agree(
     store = dist.distributed_c10d._get_default_store()
     rank, world = dist.get_rank(), dist.get_world_size()
     prefix = f"sgraph/agree/{program.name}/{_next_round(program.name)}"
-    inputs, sent = _input_lines(program), _collective_lines(program)
-    mine = {"hash": _hash(inputs + sent), "inputs": inputs, "replicated": _checksums(program, tensors)}
+    inputs, ops, sent = _input_lines(program), _collective_lines(program, shapes=False), _collective_lines(program)
+    mine = {
+        "hash": _hash(inputs + ops),
+        "inputs": inputs,
+        "ops": ops,
+        "sent": sent,
+        "groups": [group_ranks(c.group) for c in collectives(program.graph)],
+        "replicated": _checksums(program, tensors),
+    }
     store.set(f"{prefix}/{rank}", json.dumps(mine))
     everyone = _gather(store, prefix, world, timeout, program.name)
     message = _difference(program.name, everyone)
-    if message is None:
-        return
-    store.set(f"{prefix}/code/{rank}", "\n".join(sent))
-    codes = _gather(store, f"{prefix}/code", world, timeout, program.name, decode=False)
-    raise CaptureError(message + _code_difference(everyone, codes))
+    if message is not None:
+        raise CaptureError(message)
 
 
 def _next_round(name: str) -> int:
@@ -79,15 +87,16 @@ def _hash(lines: list[str]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _collective_lines(program: Program) -> list[str]:
-    """The collectives in order: kind, group size and the shapes each rank sends and gets
-    (not the group's name: the ranks of each row of a 2-D mesh have groups of their own)."""
+def _collective_lines(program: Program, *, shapes: bool = True) -> list[str]:
+    """The collectives in order: kind, group size and (with ``shapes``) the shapes each
+    rank sends and gets (not the group's name: the ranks of each row of a 2-D mesh have
+    groups of their own)."""
     lines = []
     for c in collectives(program.graph):
         source = c.node.meta.get(SOURCE_KEY)
         where = f" at {source.short()}" if source is not None else ""
-        shapes = [_shape(a) for a in (c.node.args[0], c.node)]
-        lines.append(f"{c.kind} over {c.size} ranks: {shapes[0]} -> {shapes[1]}{where}")
+        sent = f": {_shape(c.node.args[0])} -> {_shape(c.node)}" if shapes else ""
+        lines.append(f"{c.kind} over {c.size} ranks{sent}{where}")
     return lines
 
 
@@ -157,8 +166,18 @@ def _difference(name: str, everyone: list[dict[str, Any]]) -> str | None:
             return (
                 f"{name}: rank 0 and rank {rank} compiled different programs, so their collectives would not "
                 f"match and the step would hang.{where} Every rank must trace the step with the same shapes "
-                "and the same code path."
+                f"and the same code path.{_code_difference(first, other, rank)}"
             )
+    for rank, other in enumerate(everyone):
+        for i, (line, group) in enumerate(zip(other["sent"], other["groups"])):
+            peer = min(group)
+            if everyone[peer]["sent"][i] != line:
+                return (
+                    f"{name}: ranks {peer} and {rank} run collective {i} of the step together, but with other "
+                    f"shapes, so the step would hang or exchange wrong data: rank {peer} runs "
+                    f"{everyone[peer]['sent'][i]!r}, rank {rank} runs {line!r}. Every rank must trace the step "
+                    "with the same shapes."
+                )
     for rank, other in enumerate(everyone):
         for path, value in first["replicated"].items():
             if other["replicated"].get(path) != value:
@@ -170,21 +189,25 @@ def _difference(name: str, everyone: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def _code_difference(everyone: list[dict[str, Any]], codes: list[str]) -> str:
-    first = everyone[0]["hash"]
-    rank = next((r for r, e in enumerate(everyone) if e["hash"] != first), None)
-    if rank is None:
+def _code_difference(first: dict[str, Any], other: dict[str, Any], rank: int) -> str:
+    """The first collective two ranks' programs differ in (shapes aside), with its shapes."""
+    i = _first_index(first["ops"], other["ops"])
+    if i is None:
         return ""
-    lines = _first_different(codes[0].splitlines(), codes[rank].splitlines())
-    if not lines:
-        return ""
-    return f" First differing collective: rank 0 runs {lines[0]!r}, rank {rank} runs {lines[1]!r}."
+    a, b = (s["sent"][i] if i < len(s["sent"]) else "<end>" for s in (first, other))
+    return f" First differing collective: rank 0 runs {a!r}, rank {rank} runs {b!r}."
 
 
 def _first_different(a: Sequence[str], b: Sequence[str]) -> tuple[str, str] | None:
-    for x, y in zip(a, b):
+    i = _first_index(a, b)
+    if i is None:
+        return None
+    return (a[i] if i < len(a) else "<end>", b[i] if i < len(b) else "<end>")
+
+
+def _first_index(a: Sequence[str], b: Sequence[str]) -> int | None:
+    """Where two lists of lines first differ (the shorter one's end counts), or None."""
+    for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
-            return x, y
-    if len(a) != len(b):
-        return (a[len(b)] if len(a) > len(b) else "<end>", b[len(a)] if len(b) > len(a) else "<end>")
-    return None
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))

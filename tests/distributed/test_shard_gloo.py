@@ -200,6 +200,39 @@ def fsdp_times_tp_matches_one_process(rank: int, world: int) -> None:
 
 
 @_check
+def uneven_shards_over_one_axis_of_a_2d_mesh_match_one_process(rank: int, world: int) -> None:
+    """FSDP over dp of a 2 x 2 mesh with a 3-row layer: rank 0's row of the mesh
+    all-reduces other shapes than rank 2's row, and the first call's agreement must
+    compare shapes within each group only (it refused the step)."""
+    if world < 4:
+        return
+    torch.manual_seed(0)
+    apply, full, buffers = sg.functional(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)))
+    opt = sg.optim.sgd(0.1)
+
+    def step(params, opt_state, batch):
+        x, y = batch
+        loss, grads = sg.value_and_grad(lambda p: (apply(p, buffers, x) - y).square().mean())(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return sg.optim.apply_updates(params, updates), opt_state, loss
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(2 * world, 4, generator=g), torch.randn(2 * world, 3, generator=g)) for _ in range(3)]
+    want, state = dict(full), opt.init(full)
+    for batch in batches:
+        want, state, _ = step(want, state, batch)
+    mesh = sg.mesh(dp=2, tp=world // 2)
+    sharded = sg.static(sg.shard(mesh, params=sg.fsdp("dp"), batch=sg.P(("dp", "tp")))(step))
+    params = sg.distribute(full, mesh, sg.fsdp("dp"))
+    state = opt.init(params)
+    for x, y in batches:
+        params, state, _ = sharded(params, state, (x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
+    assert params["2.weight"].to_local().shape[0] == (2 if mesh.get_local_rank("dp") == 0 else 1)
+    for k, v in want.items():
+        torch.testing.assert_close(params[k].full_tensor(), v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+@_check
 def plain_step_without_static_matches(rank: int, world: int) -> None:
     """sg.shard alone (no graph) runs the same traced program."""
     losses, params, _, _ = _train(world, rank, sg.mesh(dp=world), sg.fsdp("dp"), wrap=lambda step: step)
