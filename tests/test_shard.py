@@ -128,6 +128,9 @@ def test_outputs_follow_their_inputs_or_the_out_spec(mesh) -> None:
     whole = (sg.replicate(), None, None)
     told = sg.shard(mesh, params=SPEC, batch=sg.P("dp"), out=whole)(step).lower(params, opt.init(params), batch)
     assert placements(told, "result[0]['0.weight']") == (Replicate(), Replicate())
+    # a None in out= is no spec: that output keeps the default (it was gathered whole)
+    assert placements(told, "result[1].mu['0.weight']") == (Shard(1), Shard(0))
+    assert placements(told, "result[2]") == (Replicate(), Replicate())
 
 
 def test_spec_errors_name_the_path_and_the_fix(mesh) -> None:

@@ -129,7 +129,8 @@ class Sharder:
 
     def out_layout(self) -> Callable[[Any], list[Any]] | None:
         """The placements of the step's DTensor outputs from the ``out`` spec (None
-        without one: outputs then follow the inputs they match)."""
+        without one: outputs then follow the inputs they match; so does each output whose
+        spec in it is ``None``, which gets None here)."""
         if self.out is None:
             return None
 
@@ -137,7 +138,9 @@ class Sharder:
             specs = broadcast_specs(self.api, "the result (out=)", self.out, result)
             paths, leaves, _ = tree.flatten_with_paths(result, prefix="result")
             return [
-                layout_of(self.api, s, self.mesh, path, tuple(leaf.shape), fqn).stored if is_dtensor(leaf) else None
+                layout_of(self.api, s, self.mesh, path, tuple(leaf.shape), fqn).stored
+                if is_dtensor(leaf) and s is not None
+                else None
                 for path, fqn, leaf, s in zip(paths, fqns(result), leaves, specs)
             ]
 

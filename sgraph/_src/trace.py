@@ -242,7 +242,9 @@ def _flat_step(
         with GuardMode(api), CudnnRnnGuard(api), SourceMode(api), patterns, mlps, _replicated_constants(dists):
             out = fn(*bound, *args, **kwargs)
             out_leaves, result["spec"] = tree.flatten(out)
-            targets = (out_layout or matching_layout(leaves, in_spec))(out)
+            targets = matching_layout(leaves, in_spec)(out)
+            if out_layout is not None:  # the out= spec's choices; where it has none, the default
+                targets = [d if c is None else c for c, d in zip(out_layout(out), targets)]
             out_leaves, result["dists"] = _local_outputs(out_leaves, targets)
         result["leaves"] = out_leaves
         return [leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor)]
