@@ -117,18 +117,25 @@ def _input_lines(program: Program) -> list[str]:
     ]
 
 
-def _checksums(program: Program, tensors: Sequence[torch.Tensor]) -> dict[str, str]:
-    """The bits of a few sums of each input every rank holds whole (replicated DTensors)."""
+def _checksums(program: Program, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """For each input replicated over some mesh axes (a DTensor, or this rank's shard of
+    one), the bits of a few sums of this rank's piece, with the rank's coordinates on the
+    other axes: ranks whose coordinates agree there must hold the same piece."""
     found = {}
     for leaf, t in zip(program.tensor_inputs, cast(Sequence[Any], tensors)):
-        if not is_dtensor(t) or any(p.is_shard() or p.is_partial() for p in t.placements):
+        if not is_dtensor(t):
             continue
+        split = [p.is_shard() or p.is_partial() for p in t.placements]
+        if all(split):
+            continue
+        coordinate = t.device_mesh.get_coordinate()
         x = t._local_tensor.detach()
-        if x.is_floating_point() or x.is_complex():
-            x = x.double()
-        else:
-            x = x.long()
-        found[leaf.path] = repr((x.sum().item(), x.abs().sum().item()))
+        x = x.double() if x.is_floating_point() or x.is_complex() else x.long()
+        found[leaf.path] = {
+            "where": [c if s else None for c, s in zip(coordinate, split)],
+            "axes": [name for name, s in zip(t.device_mesh.mesh_dim_names or (), split) if not s],
+            "sums": repr((x.sum().item(), x.abs().sum().item())),
+        }
     return found
 
 
@@ -178,13 +185,18 @@ def _difference(name: str, everyone: list[dict[str, Any]]) -> str | None:
                     f"{everyone[peer]['sent'][i]!r}, rank {rank} runs {line!r}. Every rank must trace the step "
                     "with the same shapes."
                 )
+    holders: dict[tuple[str, str], int] = {}
     for rank, other in enumerate(everyone):
-        for path, value in first["replicated"].items():
-            if other["replicated"].get(path) != value:
+        for path, held in other["replicated"].items():
+            peer = holders.setdefault((path, repr(held["where"])), rank)
+            if everyone[peer]["replicated"][path]["sums"] != held["sums"]:
+                axes = ", ".join(repr(a) for a in held["axes"])
+                over = "(the same on every rank)" if all(w is None for w in held["where"]) else f"over mesh axes {axes}"
                 return (
-                    f"{name}: {path} is replicated (the same on every rank) by its spec, but rank {rank} holds "
-                    "other values than rank 0. Give it a spec that shards it (a per-rank batch: "
-                    "batch=sg.P('dp')), or pass the same values on every rank."
+                    f"{name}: {path} is replicated {over} by its spec, but rank {rank} "
+                    f"holds other values than rank {peer}. Give it a spec that shards it (a per-rank batch: "
+                    "batch=sg.P('dp'), or sg.P(('dp', 'tp')) to split it over both axes), or pass the same "
+                    "values on those ranks."
                 )
     return None
 

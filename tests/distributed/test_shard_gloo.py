@@ -298,6 +298,21 @@ def replicated_input_that_differs_raises(rank: int, world: int) -> None:
 
 
 @_check
+def input_replicated_over_one_axis_that_differs_raises(rank: int, world: int) -> None:
+    """batch=sg.P('dp') on a 2 x 2 mesh: both tp ranks of a dp group must pass the same rows."""
+    if world < 4:
+        return
+    mesh = sg.mesh(dp=2, tp=world // 2)
+    apply, full, buffers = sg.functional(_model())
+    spec = sg.ddp("dp") + sg.tp(TP, axis="tp")
+    step = sg.static(sg.shard(mesh, params=spec, batch=sg.P("dp"))(_step_for(apply, buffers)))
+    params = sg.distribute(full, mesh, spec)
+    batch = _rows(_batches(world)[0], rank)  # each rank its own rows: the tp ranks differ
+    with pytest.raises(sg.CaptureError, match=r"batch\[0\] is replicated over mesh axes 'tp'.*rank 1 holds other"):
+        step(params, OPT.init(params), batch)
+
+
+@_check
 def wrong_specs_raise_naming_the_path(rank: int, world: int) -> None:
     mesh = sg.mesh(dp=world)
     apply, full, buffers = sg.functional(_model())
