@@ -83,8 +83,9 @@ def test_ordinary_cross_entropy_code_runs_on_the_fused_kernel(name):
         lambda p, x, y: F.cross_entropy(x @ p["w1"] @ p["head"].T, y, weight=torch.ones(V)),
         lambda p, x, y: F.cross_entropy(x @ p["w1"] @ p["head"][:512].T, y.clamp(max=511)),  # too few classes
         lambda p, x, y: F.cross_entropy(torch.relu(x @ p["w1"] @ p["head"].T), y),  # not a linear map
+        lambda p, x, y: F.cross_entropy(x @ p["head"].T, y, label_smoothing=-0.1),  # eager ignores it
     ],
-    ids=["reduction_none", "class_weights", "few_classes", "nonlinear_logits"],
+    ids=["reduction_none", "class_weights", "few_classes", "nonlinear_logits", "negative_smoothing"],
 )
 def test_other_cross_entropy_calls_keep_the_ordinary_ops(loss):
     params, batch = params_and_batch()
@@ -255,3 +256,37 @@ def test_class_targets_eager_refuses_are_refused_at_the_trace(transform):
         loss(params, (x, y))
     with pytest.raises(sg.CaptureError, match=r"takes class targets of dtype torch.int32.*\.long\(\)"):
         transform(sgd_step(loss)).lower(params, (x, y))
+
+
+@pytest.mark.parametrize(
+    "loss, error",
+    [
+        (lambda p, x, y: F.cross_entropy(x @ p["head"].T, y[:1]), "Expected input batch_size"),
+        (lambda p, x, y: F.cross_entropy(x @ p["head"].T, y, label_smoothing=1.5), "between 0.0 and 1.0"),
+    ],
+    ids=["one_target_for_many_rows", "smoothing_above_one"],
+)
+def test_cross_entropy_calls_eager_refuses_raise_as_eager_does(loss, error):
+    """The fused loss would broadcast one target over all rows, or smooth by 1.5."""
+    params, batch = params_and_batch()
+    step = sgd_step(lambda p, b: loss(p, *b))
+    with pytest.raises((ValueError, RuntimeError), match=error):
+        step(params, batch)
+    with pytest.raises((ValueError, RuntimeError), match=error):
+        run_lowered(step, params, batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_fused_loss_under_autocast_is_fp32_as_eager(dtype):
+    """Autocast runs F.cross_entropy in fp32 from low-precision logits; so does the fused loss."""
+    params, batch = params_and_batch()
+
+    def loss(p, b):
+        with torch.autocast("cpu", dtype=dtype):
+            return F.cross_entropy(b[0] @ p["head"].T, b[1])
+
+    lowered, (_, value) = run_lowered(sgd_step(loss), params, batch)
+    assert "sgraph.linear_cross_entropy.default" in targets(lowered)
+    expected = loss(params, batch)
+    assert value.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(value, expected, rtol=2e-3, atol=0)

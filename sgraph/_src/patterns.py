@@ -159,7 +159,14 @@ class LinearCrossEntropyMode(TorchFunctionMode):
             label_smoothing=a["label_smoothing"],
             reduction=a["reduction"],
         )
-        return loss.to(logits.dtype)  # computed in fp32; returned in the dtype F.cross_entropy returns
+        return loss.to(_loss_dtype(logits))  # computed in fp32; returned as F.cross_entropy returns it
+
+
+def _loss_dtype(logits: torch.Tensor) -> torch.dtype:
+    """The dtype ``F.cross_entropy(logits, ...)`` returns: the logits', except that autocast
+    runs it in fp32 (it is on autocast's fp32 list) from bf16 or fp16 logits."""
+    autocast = torch.is_autocast_enabled(logits.device.type)
+    return torch.float32 if autocast and logits.dtype in (torch.bfloat16, torch.float16) else logits.dtype
 
 
 def _watch(*tensors: torch.Tensor | None) -> tuple[tuple[torch.Tensor, int], ...]:
@@ -193,6 +200,7 @@ def _supported(a: dict[str, Any], logits: torch.Tensor, target: Any, origin: _Lo
         and logits.dtype in (torch.float32, origin.dtype)
         and isinstance(target, torch.Tensor)
         and target.dim() == 1
+        and target.shape[0] == logits.shape[0]  # F.cross_entropy refuses others, by name
         and target.dtype == torch.int64  # what F.cross_entropy takes (it refuses int32)
         and a["weight"] is None
         and a["size_average"] is None
@@ -200,6 +208,7 @@ def _supported(a: dict[str, Any], logits: torch.Tensor, target: Any, origin: _Lo
         and a["reduction"] in ("mean", "sum")
         and type(a["ignore_index"]) is int  # not a bool, which F.cross_entropy refuses
         and isinstance(a["label_smoothing"], (int, float))
+        and 0.0 <= a["label_smoothing"] <= 1.0  # F.cross_entropy refuses more, and ignores less
     )
 
 
