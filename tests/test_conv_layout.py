@@ -188,13 +188,17 @@ def _other_model(kind: str) -> nn.Module:
         "reshaped": [nn.Conv2d(3, 96, 3, padding=1), nn.ReLU(), nn.Unflatten(1, (96, 1)), nn.Flatten(1, 2)],
         # BatchNorm in eval mode (its running statistics only read)
         "eval-batchnorm": [nn.Conv2d(3, 96, 3, padding=1, bias=False), nn.BatchNorm2d(96).eval(), nn.ReLU()],
+        # the feature map flattened into a linear layer: a view of a channels-last tensor
+        "flattened": [nn.Conv2d(3, 96, 3, padding=1), nn.ReLU()],
     }[kind]
     channels = 80 if kind == "transposed" else 96
     head = [nn.Conv2d(channels, 96, 3, bias=False), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(96, 10)]
+    if kind == "flattened":
+        head = [nn.Conv2d(96, 96, 3, bias=False), nn.BatchNorm2d(96), nn.ReLU(), nn.Flatten(), nn.Linear(96 * 36, 10)]
     return nn.Sequential(*layers, *head)
 
 
-@pytest.mark.parametrize("kind", ["transposed", "reshaped", "eval-batchnorm", "planned"])
+@pytest.mark.parametrize("kind", ["transposed", "reshaped", "eval-batchnorm", "flattened", "planned"])
 def test_other_convolution_steps_match_eager_over_three_steps(kind):
     """Steps the pass rewrites differently: each against the same step run eagerly."""
     torch.manual_seed(0)

@@ -30,7 +30,7 @@ channels-last (none grouped, not all of them small), on the CPU as on the GPU;
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -67,16 +67,23 @@ def channels_last(program: Program) -> Program:
     before = {n.name: n.meta.get("val") for n in graph.nodes}
     outputs = [v.meta.get("val") if isinstance(v, Node) else None for v in returned(graph)]
     copies: dict[Node, Node] = {}
+    after = _after_a_convolution(graph)
+    # A view of what a convolution computed (``x.flatten(1)`` before a linear layer)
+    # needs the layout it was traced on: it reads a contiguous copy (dropped below
+    # where the tensor stays contiguous).
+    guards = _contiguous_before_views(graph, after)
     # First the arguments not computed from a convolution (weights, the batch): the
     # layout then flows from them through the forward and the backward.
-    _copy_args(graph, copies, skip=_after_a_convolution(graph))
-    _propagate(work, mode)
+    _copy_args(graph, copies, skip=after)
+    if not _propagate(work, mode):
+        return program
     # Then what is still not channels-last (an activation reshaped in between; a copy
     # changes the layouts after it, hence the rounds).
     for _ in range(_ROUNDS):
         if not _copy_args(graph, copies):
             break
-        _propagate(work, mode)
+        if not _propagate(work, mode):
+            return program
     # The weights' gradients and the step's outputs in the layouts they had.
     restored: dict[Node, Node] = {}
     for node in _convolutions(graph):
@@ -88,7 +95,12 @@ def channels_last(program: Program) -> Program:
     for value, old in zip(returned(graph), outputs):
         if isinstance(value, Node) and not _restore(graph, value, old, restored, only=out):
             return program
-    _propagate(work, mode)
+    for guard in guards:
+        if cast(Node, guard.args[0]).meta["val"].is_contiguous():
+            guard.replace_all_uses_with(cast(Node, guard.args[0]))
+            graph.erase_node(guard)
+    if not _propagate(work, mode):
+        return program
     now = [v.meta.get("val") if isinstance(v, Node) else None for v in returned(graph)]
     if not all(_same_strides(a, b) for a, b in zip(now, outputs)):
         return program
@@ -151,6 +163,21 @@ def _after_a_convolution(graph: torch.fx.Graph) -> set[Node]:
     return found
 
 
+_VIEWS = (aten.view.default, aten._unsafe_view.default)
+
+
+def _contiguous_before_views(graph: torch.fx.Graph, after: set[Node]) -> list[Node]:
+    """Make each view (``aten.view``, which needs strides it can fold) of a contiguous
+    value computed from a convolution read a contiguous copy of it; the copies."""
+    made: dict[Node, Node] = {}
+    for node in [n for n in graph.nodes if n.target in _VIEWS]:
+        source = node.args[0]
+        val = source.meta.get("val") if isinstance(source, Node) else None
+        if source in after and isinstance(val, torch.Tensor) and val.is_contiguous():
+            node.update_arg(0, _copy(graph, cast(Node, source), torch.contiguous_format, made))
+    return list(made.values())
+
+
 def _is_channels_last(node: Node) -> bool:
     val = node.meta.get("val")
     return isinstance(val, torch.Tensor) and val.is_contiguous(memory_format=torch.channels_last)
@@ -193,10 +220,16 @@ def _same_strides(a: Any, b: Any) -> bool:
     return all(size == 1 or x == y for size, x, y in zip(a.shape, a.stride(), b.stride()))
 
 
-def _propagate(gm: torch.fx.GraphModule, mode: Any) -> None:
-    """Every node's ``val`` computed again from the inputs' (the layouts change)."""
+def _propagate(gm: torch.fx.GraphModule, mode: Any) -> bool:
+    """Every node's ``val`` computed again from the inputs' (the layouts change); False
+    where an op refuses the new layouts (the pass then keeps the traced ones: a slower
+    step, never a failed one)."""
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     gm.recompile()
-    FakeTensorProp(gm, mode=mode).propagate_dont_convert_inputs(*inputs)
+    try:
+        FakeTensorProp(gm, mode=mode).propagate_dont_convert_inputs(*inputs)
+    except (RuntimeError, ValueError):
+        return False
+    return True
