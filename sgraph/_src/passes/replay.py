@@ -19,10 +19,20 @@ below; ``nn.LSTM`` on CPU (oneDNN's ``aten.mkldnn_rnn_layer``) hits all three:
   float32, but torch 2.11's meta keeps the input's dtype, so for bf16 the trace
   records no cast and the step would return float32 gradients. A cast to the
   traced dtype, the one autograd applies in eager, goes after each such output.
+
+And one more, which only generated code meets: its kernel reads its tensors as if
+contiguous, whatever their strides. Eagerly they are (the forward's input is
+``x.transpose(0, 1).contiguous()`` for ``batch_first``), but Inductor may hand an
+ATen op it calls a buffer of the same values on other strides (the backward's copy
+of that input, made again for the backward), and the weights' gradient came out
+wrong. Such an op becomes an ``sgraph::<op>_contiguous`` twin (folded into the grad
+mode twin above where both apply) that passes its kernel contiguous tensors: no copy
+where they already are.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 from typing import Any, cast
@@ -48,6 +58,9 @@ _SHARED_FAKE_OUTPUTS: dict[torch._ops.OpOverload, tuple[tuple[int, int], ...]] =
 # op -> the dtype its real kernel gives every output, whatever its meta kernel says.
 _REAL_DTYPE: dict[torch._ops.OpOverload, torch.dtype] = {aten.mkldnn_rnn_layer_backward.default: torch.float32}
 
+# ops whose kernels read their tensor arguments as contiguous, whatever their strides.
+_CONTIGUOUS_INPUTS = frozenset({aten.mkldnn_rnn_layer.default, aten.mkldnn_rnn_layer_backward.default})
+
 _LIB = torch.library.Library("sgraph", "FRAGMENT")
 
 
@@ -72,12 +85,14 @@ def replay(program: Program, *, in_place: bool = False) -> Program:
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
-        if node.target in _GRAD_MODE_STATE and _items(node).get(_GRAD_MODE_STATE[node.target]) is not None:
-            node.target = _grad_enabled(node.target)
-        for pair in _SHARED_FAKE_OUTPUTS.get(node.target, ()):
+        op = node.target
+        grad_mode = op in _GRAD_MODE_STATE and _items(node).get(_GRAD_MODE_STATE[op]) is not None
+        if grad_mode or op in _CONTIGUOUS_INPUTS:
+            node.target = _twin(op, grad_mode=grad_mode, contiguous=op in _CONTIGUOUS_INPUTS)
+        for pair in _SHARED_FAKE_OUTPUTS.get(op, ()):
             _split(graph, node, pair)
-        if node.target in _REAL_DTYPE:
-            _cast_to_traced_dtypes(graph, node, _REAL_DTYPE[node.target])
+        if op in _REAL_DTYPE:
+            _cast_to_traced_dtypes(graph, node, _REAL_DTYPE[op])
     gm.recompile()
     return program.replace(graph_module=gm, passes=program.passes + ("replay",))
 
@@ -88,14 +103,17 @@ def _items(op: Node) -> dict[int, Node]:
 
 
 @functools.cache
-def _grad_enabled(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
-    """``sgraph::<name>_grad_enabled``: ``op``'s schema, run with grad mode on."""
-    name = f"{op._schema.name.split('::')[1]}_grad_enabled"
+def _twin(op: torch._ops.OpOverload, *, grad_mode: bool, contiguous: bool) -> torch._ops.OpOverload:
+    """``sgraph::<name>_grad_enabled`` (run with grad mode on) or ``..._contiguous`` (its
+    tensors passed contiguous), or both: ``op``'s schema, ``op``'s kernel."""
+    name = op._schema.name.split("::")[1] + ("_grad_enabled" if grad_mode else "_contiguous")
     _LIB.define(name + "(" + str(op._schema).split("(", 1)[1])
 
     def run(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs))
-        with torch.enable_grad():
+        if contiguous:
+            args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.contiguous, (args, kwargs))
+        with torch.enable_grad() if grad_mode else contextlib.nullcontext():
             return op(*args, **kwargs)
 
     # CompositeExplicitAutograd serves every backend, Meta (so fake tensors) included.
