@@ -448,3 +448,26 @@ def test_a_fused_first_call_asks_for_workers_before_tracing_and_trace_alone_does
     events.clear()
     assert torch.equal(sg.fuse(step)(x), x * 2)
     assert events == [("workers", {torch.device("cpu")}), "traced"]
+
+
+@pytest.mark.slow
+def test_an_add_with_alpha_of_a_matmul_keeps_its_alpha():
+    """Inductor folds ``add(x, mm(a, b))`` into ``addmm`` and drops ``alpha``: a hand-written
+    SGD step ``p.add_(grad, alpha=-lr)`` moved the weight by the whole gradient."""
+
+    def sgd(params, x, y):
+        grads = sg.grad(lambda p: (x @ p["w"] - y).square().mean())(params)
+        params["w"].add_(grads["w"], alpha=-0.01)
+        return params, torch.add(torch.zeros(8, 3), x @ params["w"], alpha=0.25)
+
+    torch.manual_seed(0)
+    w, x, y = torch.randn(5, 3), torch.randn(8, 5), torch.randn(8, 3)
+    want = sgd({"w": w.clone()}, x, y)
+    step = sg.static(sg.fuse(sgd), donate="params")
+    params = {"w": w.clone()}
+    for _ in range(2):  # the second call from the first call's result, as eager does
+        params, scaled = step(params, x, y)
+        want_params, want_scaled = want
+        torch.testing.assert_close(params["w"], want_params["w"], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(scaled, want_scaled, rtol=1e-6, atol=1e-6)
+        want = sgd({"w": want_params["w"].clone()}, x, y)

@@ -269,6 +269,7 @@ def _graph_for_inductor(program: Program) -> tuple[torch.fx.GraphModule, list[in
     """
     gm = program.copy_graph_module()
     graph = gm.graph
+    _scaled_adds_as_multiplies(graph)
     inputs = placeholders(graph)
     values = returned(graph)
     out = output_node(graph)
@@ -283,6 +284,24 @@ def _graph_for_inductor(program: Program) -> tuple[torch.fx.GraphModule, list[in
     graph.eliminate_dead_code()
     gm.recompile()
     return gm, kept, late
+
+
+_ADDS = (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)
+
+
+def _scaled_adds_as_multiplies(graph: torch.fx.Graph) -> None:
+    """``add(x, y, alpha=a)`` as ``add(x, mul(y, a))``. Inductor's post-grad pass that
+    folds ``add(x, mm(...))`` into ``addmm`` drops the ``alpha`` (torch 2.11 and 2.13),
+    so ``p.add_(grad, alpha=-lr)`` for a weight's gradient stepped by the whole gradient."""
+    for node in [n for n in graph.nodes if n.target in _ADDS]:
+        alpha = node.kwargs.get("alpha", node.args[2] if len(node.args) > 2 else 1)
+        if isinstance(alpha, bool) or alpha == 1:
+            continue
+        with graph.inserting_before(node):
+            scaled = graph.call_function(torch.ops.aten.mul.Tensor, (node.args[1], alpha))
+        scaled.meta = {k: v for k, v in node.meta.items() if k != "val"}
+        node.args = (node.args[0], scaled)
+        node.kwargs = {}
 
 
 def _written_after_the_call(aliases: Sequence[tuple[int, int]], values: list, inputs: list) -> set[int]:
