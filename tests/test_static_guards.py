@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 
 import pytest
 import torch
@@ -207,3 +208,48 @@ def test_under_fuse_a_global_modules_mode_switch_retraces():
     drop.eval()
     with pytest.warns(sg.RetraceWarning, match=r"training mode of the root module \(Dropout\) changed"):
         assert torch.equal(step(x), x)
+
+
+def test_numpy_floats_are_keyed_by_their_sign_like_python_floats():
+    np = pytest.importorskip("numpy")
+    step = sg.static(lambda x, s: x / s)
+    x = torch.ones(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sg.RetraceWarning)
+        for s in (np.float64(0.0), np.float64(-0.0), np.float32(-0.0), np.float32(0.0)):
+            torch.testing.assert_close(step(x, s), x / s)
+    assert step.trace_count == 4
+
+
+def test_conjugated_and_negated_views_are_part_of_the_signature():
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    step = sg.static(lambda x: x.imag * 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sg.RetraceWarning)
+        for value in (z, z.conj(), z._neg_view(), z):
+            torch.testing.assert_close(step(value), value.imag * 1)
+    assert step.trace_count == 3
+
+
+def test_a_donated_inference_tensor_is_refused_before_anything_is_written():
+    with torch.inference_mode():
+        params = {"a": torch.ones(3), "b": torch.zeros(2)}
+    step = sg.static(lambda p, x: {"a": p["a"] * 0.5 + x, "b": p["b"] + 1}, donate="p")
+    with pytest.raises(sg.ArgumentError, match=r"p\['a'\] is donated, but it is an inference tensor"):
+        step(params, torch.ones(3))
+    assert params["a"].tolist() == [1.0, 1.0, 1.0] and params["b"].tolist() == [0.0, 0.0]
+    with torch.inference_mode():  # where it may be written, it is
+        out = step(params, torch.ones(3))
+    assert out["a"] is params["a"] and out["a"].tolist() == [1.5, 1.5, 1.5]
+
+
+def test_the_default_device_is_guarded():
+    step = sg.static(lambda x: (x * 2, torch.zeros(2)))
+    assert step(torch.ones(2))[1].device.type == "cpu"
+    torch.set_default_device("meta")
+    try:
+        with pytest.warns(sg.RetraceWarning, match="default device changed"):
+            _, made = step(torch.ones(2, device="cpu"))
+    finally:
+        torch.set_default_device(None)
+    assert made.device.type == "meta" and step.trace_count == 2  # as eager makes it

@@ -155,7 +155,7 @@ class Transformed:
                 return self._call_fn(args, kwargs)
             self._check_binding(args, kwargs)
             layout = self._layout(args, kwargs)
-            check_call_inputs(self.api, leaves, layout.paths)
+            check_call_inputs(self.api, leaves, layout.paths, layout.donated_leaves)
             # One full collection after the first call instead of several during it
             # (each walks the whole heap; see collector.py).
             with full_collections_deferred():
@@ -217,7 +217,7 @@ class Transformed:
         leaves, structure = ArgFlattener().flatten(args, kwargs)
         self._check_binding(args, kwargs)
         layout = self._layout(args, kwargs)
-        check_call_inputs(self.api, leaves, layout.paths)
+        check_call_inputs(self.api, leaves, layout.paths, layout.donated_leaves)
         signature = signature_of(leaves, structure, layout.paths, guards.global_state(), names=layout.names)
         return self._trace(args, kwargs, layout, signature)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .errors import ArgumentTypeError, SgraphError, UnsupportedError
+from .errors import ArgumentError, ArgumentTypeError, SgraphError, UnsupportedError
 from .guards import GlobalState, ModuleFlags
 from .hidden import find_hidden_tensor
 from .signature import Signature, TensorCheck, static_key
@@ -101,19 +101,33 @@ def nearest(signature: Signature, entries: Sequence[Entry]) -> str:
     return text
 
 
-def check_call_inputs(api: str, leaves: Sequence[Any], paths: Sequence[str]) -> None:
+def check_call_inputs(
+    api: str, leaves: Sequence[Any], paths: Sequence[str], donated: frozenset[int] = frozenset()
+) -> None:
     """Refuse inputs a compiled step cannot honour, naming the leaf's path.
+
+    Args:
+        donated: the positions of the donated leaves.
 
     Raises:
         UnsupportedError: a tensor inside a torch.func transform, a tensor
             that requires grad while grad mode is on, or a sparse tensor.
+        ArgumentError: a donated inference tensor outside inference mode (the step
+            could not write it).
         ArgumentTypeError: a static argument hides tensors inside an object that is
             not a registered pytree node.
     """
     grad_on = torch.is_grad_enabled()
-    for leaf, path in zip(leaves, paths):
+    inference = torch.is_inference_mode_enabled()
+    for i, (leaf, path) in enumerate(zip(leaves, paths)):
         if isinstance(leaf, torch.Tensor):
             _check_tensor(api, leaf, path, grad_on)
+            if i in donated and not inference and leaf.is_inference():
+                raise ArgumentError(
+                    f"{api}: {path} is donated, but it is an inference tensor (made under "
+                    "torch.inference_mode()), which nothing may write outside inference mode. Pass a "
+                    "copy made outside it (t.clone()), or call the step under torch.inference_mode()."
+                )
         else:
             _check_static(api, leaf, path)
 

@@ -56,6 +56,7 @@ _GLOBALS: list[tuple[str, Callable[[], Any]]] = [
         ("grad mode", torch.is_grad_enabled),
         ("inference mode", torch.is_inference_mode_enabled),
         ("default dtype", torch.get_default_dtype),
+        ("default device", getattr(torch, "get_default_device", None)),
         _autocast("cpu"),
         _autocast("cuda"),
         ("deterministic algorithms", _getter("_get_deterministic_algorithms")),

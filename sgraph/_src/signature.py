@@ -14,6 +14,7 @@ build has it) and :func:`static_key` on the few static leaves.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -95,7 +96,18 @@ def leaf_key(leaf: Any) -> Any:
         placements = _placements(leaf)
         if placements is not None:
             return ("dtensor", leaf.shape, leaf.dtype, leaf.device, placements)
-        return ("tensor", leaf.shape, leaf.dtype, leaf.device, leaf.stride(), leaf.requires_grad, type(leaf))
+        return (
+            "tensor",
+            leaf.shape,
+            leaf.dtype,
+            leaf.device,
+            leaf.stride(),
+            leaf.requires_grad,
+            type(leaf),
+            leaf.is_conj(),
+            leaf.is_neg(),
+            leaf.is_inference(),
+        )
     return static_key(leaf)
 
 
@@ -108,8 +120,14 @@ def static_key(value: Any) -> Any:
     kind = type(value)
     if kind is float:
         return ("static", kind, _float_bits(value))
-    if kind is complex:
-        return ("static", kind, _float_bits(value.real), _float_bits(value.imag))
+    if kind is int or kind is bool or kind is str:
+        return ("static", kind, value)
+    # a float of another type (NumPy's float32 / float64) by its bits too
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+        return ("static", kind, _float_bits(float(value)))
+    if isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):
+        z = complex(value)
+        return ("static", kind, _float_bits(z.real), _float_bits(z.imag))
     return ("static", kind, value)
 
 
@@ -240,7 +258,10 @@ def _describe(key: Any, other: Any) -> str:
         return f"{text} with strides {key[4]}"
     if other[5] != key[5]:
         return f"{text} {'requiring' if key[5] else 'not requiring'} grad"
-    return f"{text} of type {key[6].__name__}"
+    if other[6] != key[6]:
+        return f"{text} of type {key[6].__name__}"
+    bits = [name for name, on in zip(("conjugated view", "negated view", "inference tensor"), key[7:]) if on]
+    return f"{text} ({', '.join(bits) if bits else 'not a conjugated or negated view, nor an inference tensor'})"
 
 
 def _static_value(key: Any) -> str:
