@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._device import DeviceContext
 
 __all__ = [
     "GlobalState",
@@ -50,13 +52,25 @@ def _autocast(device: str) -> tuple[str, Callable[[], Any] | None]:
 
 # (name for messages, getter): every global whose value changes which ops a trace
 # records or which kernels a captured graph runs.
+def _default_device() -> Any:
+    """The device ``torch.set_default_device`` or a ``with torch.device(...)`` block sets
+    (None: the CPU), as ``torch.get_default_device`` finds it without its index lookup,
+    which makes a tensor (2 us a call)."""
+    if torch._C._len_torch_function_stack():  # no modes, the usual case: skip the walk
+        for mode in reversed(_get_current_function_mode_stack()):
+            if isinstance(mode, DeviceContext):
+                return mode.device
+    context = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
+    return None if context is None else context.device
+
+
 _GLOBALS: list[tuple[str, Callable[[], Any]]] = [
     (name, get)
     for name, get in [
         ("grad mode", torch.is_grad_enabled),
         ("inference mode", torch.is_inference_mode_enabled),
         ("default dtype", torch.get_default_dtype),
-        ("default device", getattr(torch, "get_default_device", None)),
+        ("default device", _default_device),
         _autocast("cpu"),
         _autocast("cuda"),
         ("deterministic algorithms", _getter("_get_deterministic_algorithms")),
