@@ -235,11 +235,16 @@ def test_the_fused_loss_has_the_dtype_of_the_ordinary_one():
     def loss(p, b):
         return F.cross_entropy(b[0] @ p["head"].T, b[1])
 
+    _assert_matched_with_the_loss_dtype(loss, params, batch, torch.bfloat16, rtol=1e-2)
+
+
+def _assert_matched_with_the_loss_dtype(loss, params, batch, dtype, rtol):
+    """The fused loss is used and gives eager's loss, in eager's dtype ``dtype``."""
     lowered, (_, value) = run_lowered(sgd_step(loss), params, batch)
     assert "sgraph.linear_cross_entropy.default" in targets(lowered)
     expected = loss(params, batch)
-    assert value.dtype == expected.dtype == torch.bfloat16
-    torch.testing.assert_close(value, expected, rtol=1e-2, atol=0)
+    assert value.dtype == expected.dtype == dtype
+    torch.testing.assert_close(value, expected, rtol=rtol, atol=0)
 
 
 @pytest.mark.parametrize("transform", [sg.static, sg.fuse], ids=["static", "fuse"])
@@ -285,8 +290,4 @@ def test_the_fused_loss_under_autocast_is_fp32_as_eager(dtype):
         with torch.autocast("cpu", dtype=dtype):
             return F.cross_entropy(b[0] @ p["head"].T, b[1])
 
-    lowered, (_, value) = run_lowered(sgd_step(loss), params, batch)
-    assert "sgraph.linear_cross_entropy.default" in targets(lowered)
-    expected = loss(params, batch)
-    assert value.dtype == expected.dtype == torch.float32
-    torch.testing.assert_close(value, expected, rtol=2e-3, atol=0)
+    _assert_matched_with_the_loss_dtype(loss, params, batch, torch.float32, rtol=2e-3)
