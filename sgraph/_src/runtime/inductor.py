@@ -295,7 +295,7 @@ def _scaled_adds_as_multiplies(graph: torch.fx.Graph) -> None:
     so ``p.add_(grad, alpha=-lr)`` for a weight's gradient stepped by the whole gradient."""
     for node in [n for n in graph.nodes if n.target in _ADDS]:
         alpha = node.kwargs.get("alpha", node.args[2] if len(node.args) > 2 else 1)
-        if isinstance(alpha, bool) or alpha == 1:
+        if isinstance(alpha, bool) or alpha == 1 or not isinstance(node.args[1], torch.fx.Node):
             continue
         with graph.inserting_before(node):
             scaled = graph.call_function(torch.ops.aten.mul.Tensor, (node.args[1], alpha))
