@@ -28,7 +28,7 @@ import torch.fx
 from .capture import SOURCE_KEY
 from .dtensors import is_dtensor
 from .errors import CaptureError
-from .passes.shard.collectives import collectives, group_ranks
+from .passes.shard.collectives import Collective, collectives, group_ranks
 from .program import Program
 from .text import describe_tensor
 
@@ -61,13 +61,14 @@ def agree(
     store = dist.distributed_c10d._get_default_store()
     rank, world = dist.get_rank(), dist.get_world_size()
     prefix = f"sgraph/agree/{program.name}/{_next_round(program.name)}"
-    inputs, ops, sent = _input_lines(program), _collective_lines(program, shapes=False), _collective_lines(program)
+    found = collectives(program.graph)
+    inputs, ops, sent = _input_lines(program), _collective_lines(found, shapes=False), _collective_lines(found)
     mine = {
         "hash": _hash(inputs + ops),
         "inputs": inputs,
         "ops": ops,
         "sent": sent,
-        "groups": [group_ranks(c.group) for c in collectives(program.graph)],
+        "groups": [group_ranks(c.group) for c in found],
         "replicated": _checksums(program, tensors),
     }
     store.set(f"{prefix}/{rank}", json.dumps(mine))
@@ -87,12 +88,12 @@ def _hash(lines: list[str]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _collective_lines(program: Program, *, shapes: bool = True) -> list[str]:
+def _collective_lines(found: Sequence[Collective], *, shapes: bool = True) -> list[str]:
     """The collectives in order: kind, group size and (with ``shapes``) the shapes each
     rank sends and gets (not the group's name: the ranks of each row of a 2-D mesh have
     groups of their own)."""
     lines = []
-    for c in collectives(program.graph):
+    for c in found:
         source = c.node.meta.get(SOURCE_KEY)
         where = f" at {source.short()}" if source is not None else ""
         sent = f": {_shape(c.node.args[0])} -> {_shape(c.node)}" if shapes else ""

@@ -50,8 +50,6 @@ def _autocast(device: str) -> tuple[str, Callable[[], Any] | None]:
     return f"autocast ({device})", getter
 
 
-# (name for messages, getter): every global whose value changes which ops a trace
-# records or which kernels a captured graph runs.
 def _default_device() -> Any:
     """The device ``torch.set_default_device`` or a ``with torch.device(...)`` block sets
     (None: the CPU), as ``torch.get_default_device`` finds it without its index lookup,
@@ -64,6 +62,8 @@ def _default_device() -> Any:
     return None if context is None else context.device
 
 
+# (name for messages, getter): every global whose value changes which ops a trace
+# records or which kernels a captured graph runs.
 _GLOBALS: list[tuple[str, Callable[[], Any]]] = [
     (name, get)
     for name, get in [
