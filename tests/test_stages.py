@@ -113,6 +113,17 @@ def test_compiled_rejects_another_signature():
         compiled(params, (batch[0][:4], batch[1]))
 
 
+def test_compiled_names_the_leaves_of_another_structure():
+    params, batch = args()
+    compiled = sg.static(step).trace(params, batch).lower().compile()
+    with pytest.raises(TypeError, match=re.escape("params['b'] is new")):
+        compiled({**params, "b": torch.ones(2)}, batch)
+    with pytest.raises(TypeError, match=re.escape("batch[2] is new")):
+        compiled(params, (*batch, batch[1]))
+    with pytest.raises(TypeError, match=re.escape("1 positional argument and keywords ['batch']")):
+        compiled(params, batch=batch)
+
+
 def test_signature_and_trace_count():
     static = sg.static(step)
     traced = static.trace(*args())

@@ -258,7 +258,9 @@ class Transformed:
             signature.paths,
             signature.names,
         )
-        return Traced(program, signature, layout, self.options, self._counters, time.perf_counter() - start)
+        return Traced(
+            program, signature, layout, self.options, self._counters, time.perf_counter() - start, self._layout
+        )
 
     def _named(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
         """The arguments with their parameter names, in the order their leaves flatten

@@ -205,6 +205,18 @@ class ArgFlattener:
         return template
 
 
+def describe_binding_change(old: CallStructure, new: CallStructure) -> str | None:
+    """``"2 positional arguments and keywords [] -> 1 positional and keywords ['batch']"``
+    when the two calls pass their arguments differently; None when they pass them alike."""
+    was, now = (len(old[0]), [k for k, _ in old[1]]), (len(new[0]), [k for k, _ in new[1]])
+    if was == now:
+        return None
+    return (
+        f"the call passes {now[0]} positional argument{'s' * (now[0] != 1)} and keywords {now[1]} "
+        f"where the traced one passed {was[0]} and keywords {was[1]}"
+    )
+
+
 def describe_order_change(old: CallStructure, new: CallStructure, names: list[str]) -> str | None:
     """``"the key order of params changed: ['w', 'b'] -> ['b', 'w']"`` when two structures
     differ only in the order of some dict's keys; None otherwise.

@@ -221,10 +221,12 @@ def _structure_differences(old: Signature, new: Signature) -> list[str]:
 
 
 def _order_change(old: Signature, new: Signature) -> str | None:
-    from .argtree import describe_order_change
+    from .argtree import describe_binding_change, describe_order_change
 
     try:
-        return describe_order_change(old.structure, new.structure, list(new.names))
+        return describe_binding_change(old.structure, new.structure) or describe_order_change(
+            old.structure, new.structure, list(new.names)
+        )
     except (TypeError, AttributeError, IndexError):  # structures of another kind (hand-built)
         return None
 

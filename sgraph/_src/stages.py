@@ -169,10 +169,12 @@ class Traced(_Stage):
         options: Options,
         counters: Counters,
         seconds: float,
+        layout_of: Callable[[Sequence[Any], dict[str, Any]], ArgLayout] | None = None,
     ) -> None:
         self.program = program
         self.signature = signature
         self.layout = layout
+        self.layout_of = layout_of  # another call's leaf paths, for messages
         self.options = options
         self.counters = counters
         self.seconds = seconds
@@ -264,6 +266,7 @@ class Compiled(_Stage):
         self.calls = 0
         traced = lowered.traced
         self._signature, self._layout, self._counters = traced.signature, traced.layout, traced.counters
+        self._layout_of = traced.layout_of
         self._positions = [i for i, leaf in enumerate(self.program.inputs) if leaf.is_tensor]
         outputs = self.program.outputs
         # Output leaves in order: the graph's outputs as they are when every leaf is a
@@ -285,10 +288,20 @@ class Compiled(_Stage):
         if signature != expected:
             raise ArgumentTypeError(
                 f"{self.program.name}: this compiled step was made for other arguments: "
-                f"{signature.difference(expected)}. Call the transformed function instead (it traces "
-                "again for new signatures)."
+                f"{self._named(args, kwargs, signature).difference(expected)}. Call the transformed "
+                "function instead (it traces again for new signatures)."
             )
         return self.call_flat(leaves)
+
+    def _named(self, args: Sequence[Any], kwargs: dict[str, Any], signature: Signature) -> Signature:
+        """``signature`` with this call's own leaf paths (it was built with the traced ones)."""
+        if self._layout_of is None:
+            return signature
+        try:
+            layout = self._layout_of(args, kwargs)
+        except (TypeError, ValueError):  # too many positional arguments: no names for them
+            return signature
+        return dataclasses.replace(signature, paths=layout.paths, names=layout.names)
 
     def call_flat(self, leaves: list[Any]) -> Any:
         """Run on already-flattened, already-checked arguments."""
