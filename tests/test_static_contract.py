@@ -380,3 +380,21 @@ def test_an_in_place_write_into_an_expanded_view_raises():
     with pytest.raises(sg.CaptureError, match="writes in place into an expanded view"):
         sg.static(step, donate=0)(torch.randn(3))
     assert torch.equal(sg.static(lambda x: x.expand(2, 3) * 2)(torch.ones(3)), torch.full((2, 3), 2.0))
+
+
+def test_outputs_are_plain_tensors_with_eager_values_even_where_eager_returns_parameters():
+    def step(p, x):
+        with torch.no_grad():
+            moved = (p["w"] - 0.1 * x).requires_grad_()
+        return {"w": moved, "param": nn.Parameter(p["w"] * 2)}
+
+    eager = step({"w": torch.ones(3)}, torch.arange(3.0))
+    static = sg.static(step, donate="p")
+    for _ in range(2):
+        params = {"w": torch.ones(3)}
+        out = static(params, torch.arange(3.0))
+        for key in ("w", "param"):
+            assert type(out[key]) is torch.Tensor and not out[key].requires_grad
+            torch.testing.assert_close(out[key], eager[key].detach(), rtol=0, atol=0)
+        again = static({"w": out["w"]}, torch.arange(3.0))["w"]  # fed back as it is
+        assert again.tolist() == pytest.approx([1.0, 0.8, 0.6])
