@@ -59,9 +59,10 @@ class AliasGuard:
         self.is_donated = [i in donated for i in range(len(extents))]
         self.written = written
         self.extent = list(extents)
-        self._ok: list[int] | None = None
-        self._starts: list[int] = []
-        self._ends: list[int] = []
+        # The last accepted addresses with their donated ranges (starts and ends, sorted),
+        # swapped as one tuple so that concurrent calls never read one call's addresses
+        # with another's ranges.
+        self._known: tuple[list[int], list[int], list[int]] | None = None
 
     def prepare(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """The inputs to run on: ``tensors`` itself, or with aliasing inputs copied.
@@ -73,13 +74,14 @@ class AliasGuard:
         if not self.donated:
             return tensors
         ptrs = list(map(_data_ptr, tensors))
-        ok = self._ok
-        if ptrs == ok:
-            return tensors
-        if ok is not None:
+        known = self._known
+        if known is not None:
+            ok, starts, ends = known
+            if ptrs == ok:
+                return tensors
             changed = [i for i, a, b in zip(range(len(ptrs)), ptrs, ok) if a != b]
-            if not any(self.is_donated[i] for i in changed) and not self._overlapping(ptrs, changed):
-                self._ok = ptrs
+            if not any(self.is_donated[i] for i in changed) and not self._overlapping(ptrs, changed, starts, ends):
+                self._known = (ptrs, starts, ends)
                 return tensors
         copies = self._full_check(ptrs)
         if not copies:
@@ -90,22 +92,21 @@ class AliasGuard:
             out[i] = copy_exactly(out[i])
         return out
 
-    def _overlapping(self, ptrs: list[int], positions: list[int]) -> bool:
-        """Whether any of ``positions`` overlaps a donated input (donated ranges unchanged)."""
+    def _overlapping(self, ptrs: list[int], positions: list[int], starts: list[int], ends: list[int]) -> bool:
+        """Whether any of ``positions`` overlaps a donated range (``starts``/``ends``:
+        the donated inputs', which are unchanged)."""
         for i in positions:
             start, size = ptrs[i], self.extent[i]
             if not size:
                 continue
-            k = bisect.bisect_left(self._starts, start + size) - 1
-            if k >= 0 and self._ends[k] > start:
+            k = bisect.bisect_left(starts, start + size) - 1
+            if k >= 0 and ends[k] > start:
                 return True
         return False
 
     def _remember(self, ptrs: list[int]) -> None:
         ranges = sorted((ptrs[i], ptrs[i] + self.extent[i]) for i in self.donated if self.extent[i])
-        self._starts = [s for s, _ in ranges]
-        self._ends = [e for _, e in ranges]
-        self._ok = ptrs
+        self._known = (ptrs, [s for s, _ in ranges], [e for _, e in ranges])
 
     def _full_check(self, ptrs: list[int]) -> list[int]:
         """Positions of non-donated inputs to copy; raises for overlaps it cannot undo."""
