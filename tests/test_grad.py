@@ -70,6 +70,24 @@ def test_errors_name_the_problem():
         sg.grad(loss, argnums=-1)
     with pytest.raises(TypeError, match=r"argnums=\(2,\) but only 2 positional arguments"):
         sg.grad(loss, argnums=2)(*setup())
+    with pytest.raises(ValueError, match=r"argnums must not repeat a position; found \(0, 0\)"):
+        sg.grad(loss, argnums=(0, 0))
+    with pytest.raises(TypeError, match=r"has_aux must be True or False; found 1"):
+        sg.grad(loss, has_aux=1)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_gradients_under_inference_mode_as_torch_func(static):
+    params, x = setup()
+    expected = reference(params, x)[1]
+    with torch.inference_mode():
+        made_inside = {k: v.clone() for k, v in params.items()}, x.clone()  # inference tensors
+    for args in ((params, x), made_inside):
+        grad = sg.static(sg.grad(loss)) if static else sg.grad(loss)
+        with torch.inference_mode():
+            grads = grad(*args)
+        for k in params:
+            torch.testing.assert_close(grads[k], expected[k])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the case of a machine without a CUDA device")

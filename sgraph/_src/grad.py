@@ -27,7 +27,8 @@ def value_and_grad(
     """Wrap ``fun`` so it returns its value and its gradient w.r.t. some arguments.
 
     Args:
-        fun: returns a scalar tensor (or ``(scalar, aux)`` with ``has_aux``).
+        fun: returns a floating-point tensor of one element, a scalar (or ``(value, aux)``
+            with ``has_aux``).
         argnums: position, or tuple of positions, of the pytree arguments to
             differentiate; their floating-point tensor leaves get gradients.
         has_aux: ``fun`` returns ``(value, aux)``; aux is passed through, detached.
@@ -41,6 +42,7 @@ def value_and_grad(
         >>> loss, grads = sg.value_and_grad(loss_fn)(params, batch)
     """
     nums = _check_argnums(fun, argnums)
+    _check_has_aux(fun, has_aux)
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
@@ -79,7 +81,14 @@ def _check_argnums(fun: Callable[..., Any], argnums: ArgNums) -> tuple[int, ...]
             f"sg.grad({_name(fun)}): argnums must be a non-negative int or a non-empty tuple of them; "
             f"found {argnums!r}."
         )
+    if len(set(nums)) != len(nums):
+        raise ArgumentError(f"sg.grad({_name(fun)}): argnums must not repeat a position; found {argnums!r}.")
     return nums
+
+
+def _check_has_aux(fun: Callable[..., Any], has_aux: Any) -> None:
+    if not isinstance(has_aux, bool):
+        raise ArgumentTypeError(f"sg.grad({_name(fun)}): has_aux must be True or False; found {has_aux!r}.")
 
 
 def _value_and_grad(
@@ -95,6 +104,12 @@ def _value_and_grad(
             f"sg.grad({_name(fun)}): argnums={nums} but only {len(args)} positional arguments were "
             "passed; pass the differentiated arguments positionally."
         )
+    if torch.is_inference_mode_enabled():
+        # Autograd records nothing in inference mode: differentiate outside it, as
+        # torch.func.grad does, on normal copies of the inference tensors among the arguments.
+        with torch.inference_mode(False):
+            args, kwargs = tree.map(_normal, (list(args), kwargs))
+            return _value_and_grad(fun, nums, single, has_aux, args, kwargs)
     args = list(args)
     inputs, specs = [], []
     outer = any(isinstance(x, torch.Tensor) and x.requires_grad for n in nums for x in tree.leaves(args[n]))
@@ -120,6 +135,10 @@ def _value_and_grad(
     if has_aux:
         return (value, tree.map(_detach, aux)), result
     return value, result
+
+
+def _normal(leaf: Any) -> Any:
+    return leaf.clone() if isinstance(leaf, torch.Tensor) and leaf.is_inference() else leaf
 
 
 def _watch(leaf: Any, fun: Callable[..., Any], argnum: int, index: int, spec: tree.PyTreeSpec) -> Any:
