@@ -273,6 +273,42 @@ def test_tied_leaf_reaches_both_uses():
     assert torch.equal(apply({"emb.weight": replaced}, {}, ids), emb @ replaced.T)
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_a_submodule_under_two_names_is_left_as_it_was(static):
+    torch.manual_seed(0)
+    lin, norm = nn.Linear(3, 3), nn.BatchNorm1d(3)
+    model = nn.Sequential(lin, norm, nn.Tanh(), lin, norm)
+    x = torch.randn(4, 3)
+    model(x).sum().backward()  # the module's own grads must survive too
+    before, grads = _snapshot(model), [p.grad.clone() for p in model.parameters()]
+    apply, params, buffers = sg.functional(model)
+    assert list(params) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    new = {k: torch.randn_like(v) for k, v in params.items()}
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for k, v in new.items():
+            reference.get_parameter(k).copy_(v)
+    expected, expected_grads = reference(x), torch.autograd.grad(reference(x).sum(), list(reference.parameters()))
+
+    def loss(params, buffers, x):
+        out, _ = apply(params, buffers, x)
+        return out.sum(), out
+
+    def step(params, buffers, x):
+        (_, out), grads = sg.value_and_grad(loss, has_aux=True)(params, buffers, x)
+        return out, grads
+
+    run = sg.static(step) if static else step
+    for _ in range(2):
+        out, got = run(new, buffers, x)
+        _assert_unchanged(model, before)
+        assert all(type(p) is nn.Parameter and p.requires_grad for p in model.parameters())
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+        torch.testing.assert_close(out, expected.detach())
+        for k, g in zip(params, expected_grads):
+            torch.testing.assert_close(got[k], g)  # the sum of both uses
+
+
 # --------------------------------------------------------------------------- errors
 
 

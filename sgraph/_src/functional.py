@@ -5,7 +5,11 @@ two dicts of tensors, ``params`` and ``buffers``, keyed by fully qualified name.
 module itself is never changed by ``apply``: the tensors passed in take the place of
 its own for the duration of one call (``torch.func.functional_call``).
 
-Two kinds of module need more than ``functional_call``:
+Three kinds of module need more than ``functional_call``:
+
+* Modules that hold one submodule under several names (``nn.Sequential(lin, act,
+  lin)``). ``functional_call`` leaves such a submodule holding the tensors passed in
+  (torch 2.11 to 2.13), so ``apply`` puts the module's own tensors back itself.
 
 * Modules that write buffers in forward (BatchNorm's running statistics). ``apply``
   runs them on clones and returns the new buffers next to the output, so the
@@ -91,6 +95,7 @@ def functional(
         return_buffers=_tracks_running_stats(module) if return_buffers is None else return_buffers,
         norm_layers=_norm_layers(module),
         fsdp_states=_fsdp_states(module),
+        shared=_has_shared_submodules(module),
     )
     return Apply(module, spec), params, buffers
 
@@ -137,7 +142,8 @@ class Apply:
         versions = {k: _version(b) for k, b in run_buffers.items()}
         tensors = {**_gathered(params, fsdp=bool(spec.fsdp_states)), **run_buffers}
         scopes = module_scopes(self._module) if is_tracing() else contextlib.nullcontext()
-        with _fsdp_forward_hooks_removed(spec.fsdp_states), scopes:
+        restored = _tensors_restored(self._module) if spec.shared else contextlib.nullcontext()
+        with _fsdp_forward_hooks_removed(spec.fsdp_states), scopes, restored:
             # functional_call writes what the module holds after forward back into
             # ``tensors``: that is how a buffer reassigned in forward shows up.
             out = torch.func.functional_call(self._module, tensors, args, kwargs, tie_weights=True, strict=True)
@@ -162,6 +168,24 @@ class _Spec:
     return_buffers: bool
     norm_layers: tuple[tuple[str, _NormBase], ...]
     fsdp_states: tuple[Any, ...]
+    shared: bool  # a submodule under several names: see _tensors_restored
+
+
+def _has_shared_submodules(module: nn.Module) -> bool:
+    return sum(1 for _ in module.named_modules(remove_duplicate=False)) != sum(1 for _ in module.modules())
+
+
+@contextlib.contextmanager
+def _tensors_restored(module: nn.Module) -> Iterator[None]:
+    """Put every submodule's own parameters and buffers back after the block, whatever
+    it left there (the same objects, in their order)."""
+    saved = [(d, dict(d)) for m in module.modules() for d in (m._parameters, m._buffers)]
+    try:
+        yield
+    finally:
+        for d, own in saved:
+            d.clear()
+            d.update(own)
 
 
 def _check_arguments(module: Any, return_buffers: Any) -> None:
