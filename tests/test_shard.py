@@ -163,6 +163,30 @@ def test_the_same_step_without_a_spec_replicates_plain_tensors(mesh) -> None:
     assert collectives(lowered.program.graph) == []
 
 
+@pytest.mark.parametrize("spec", [sg.ddp("dp"), sg.fsdp("dp")])
+def test_a_sharded_fused_step_keeps_the_aten_cross_entropy(mesh, spec) -> None:
+    """The fused linear + cross-entropy kernel has no DTensor rule: sharded logits keep
+    the ATen ops (they were matched, and the trace raised)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    full = {"W": torch.randn(1024, 8)}
+    opt = sg.optim.sgd(0.1)
+
+    def step(params, opt_state, batch):
+        x, y = batch
+        loss, grads = sg.value_and_grad(lambda p: F.cross_entropy(x @ p["W"].T, y))(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return sg.optim.apply_updates(params, updates), opt_state, loss
+
+    params = sg.distribute(full, mesh, spec)
+    sharded = sg.shard(mesh, params=spec, batch=sg.P("dp"))(sg.fuse(step))
+    traced = sharded.trace(params, opt.init(params), (torch.randn(2, 8), torch.randint(0, 1024, (2,))))
+    targets = {str(n.target) for n in traced.program.graph.nodes}
+    assert not any("linear_cross_entropy" in t for t in targets)
+    assert any("log_softmax" in t for t in targets)
+
+
 def _agreement_record(sent: list[str], groups: list[list[int]]) -> dict:
     return {
         "hash": "h",

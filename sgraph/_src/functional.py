@@ -179,7 +179,9 @@ def _has_shared_submodules(module: nn.Module) -> bool:
 def _tensors_restored(module: nn.Module) -> Iterator[None]:
     """Put every submodule's own parameters and buffers back after the block, whatever
     it left there (the same objects, in their order)."""
-    saved = [(d, dict(d)) for m in module.modules() for d in (m._parameters, m._buffers)]
+    saved: list[tuple[dict[str, Any], dict[str, Any]]] = [
+        (d, dict(d)) for m in module.modules() for d in (m._parameters, m._buffers)
+    ]
     try:
         yield
     finally:

@@ -206,6 +206,8 @@ def _supported(a: dict[str, Any], logits: torch.Tensor, target: Any, origin: _Lo
         and a["size_average"] is None
         and a["reduce"] is None
         and a["reduction"] in ("mean", "sum")
+        and not is_dtensor(target)  # sharded steps keep the ATen ops, which DTensor shards
+        and not any(is_dtensor(t) for t, _ in origin.watched)
         and type(a["ignore_index"]) is int  # not a bool, which F.cross_entropy refuses
         and isinstance(a["label_smoothing"], (int, float))
         and 0.0 <= a["label_smoothing"] <= 1.0  # F.cross_entropy refuses more, and ignores less
