@@ -309,6 +309,43 @@ def test_a_submodule_under_two_names_is_left_as_it_was(static):
             torch.testing.assert_close(got[k], g)  # the sum of both uses
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_frozen_parameters_are_passed_as_buffers_and_stay_as_they_are(static):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    reference = copy.deepcopy(model)
+    frozen = model[0].weight.detach().clone()
+    apply, params, buffers = sg.functional(model)
+    assert list(params) == ["1.weight", "1.bias", "2.weight", "2.bias"]
+    assert list(buffers)[:2] == ["0.weight", "0.bias"] and "1.running_mean" in buffers
+    opt = sg.optim.adamw(0.1, weight_decay=0.1)
+    torch_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=0.1, weight_decay=0.1)
+
+    def step(params, buffers, opt_state, x, y):
+        def loss_fn(params):
+            out, new_buffers = apply(params, buffers, x)
+            return nn.functional.mse_loss(out, y), new_buffers
+
+        (loss, buffers), grads = sg.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return sg.optim.apply_updates(params, updates), buffers, opt_state, loss
+
+    run = sg.static(step, donate=("params", "buffers", "opt_state")) if static else step
+    opt_state = opt.init(params)
+    for _ in range(3):
+        x, y = torch.randn(8, 4), torch.randn(8, 2)
+        params, buffers, opt_state, loss = run(params, buffers, opt_state, x, y)
+        torch_opt.zero_grad()
+        expected = nn.functional.mse_loss(reference(x), y)
+        expected.backward()
+        torch_opt.step()
+        torch.testing.assert_close(loss, expected.detach())
+    assert torch.equal(model[0].weight, frozen) and torch.equal(buffers["0.weight"], frozen)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close({**params, **buffers}[name], p.detach())
+
+
 # --------------------------------------------------------------------------- errors
 
 

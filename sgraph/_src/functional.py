@@ -52,7 +52,10 @@ def functional(
 
     ``params`` and ``buffers`` hold ``t.detach()`` of the module's own tensors: they
     share storage with the module (nothing is copied), so a step that donates them,
-    or any in-place update of them, also changes the module's weights. Tied
+    or any in-place update of them, also changes the module's weights. ``params`` holds
+    the parameters that require grad; frozen ones (``requires_grad=False`` when
+    ``functional`` is called) come first in ``buffers``, so a step differentiating and
+    updating ``params`` leaves them as they are, as ``torch.optim`` does. Tied
     parameters (one ``Parameter`` under several names) are one leaf, under the first
     name ``named_parameters()`` gives. For a module wrapped by FSDP2 the values of
     ``params`` are the sharded DTensors themselves (detached).
@@ -87,11 +90,14 @@ def functional(
         >>> out, buffers = apply(params, buffers, torch.randn(8, 4))
     """
     _check_arguments(module, return_buffers)
-    params = {name: p.detach() for name, p in module.named_parameters()}
-    buffers = {name: b.detach() for name, b in module.named_buffers()}
+    named = list(module.named_parameters())
+    params = {name: p.detach() for name, p in named if p.requires_grad}
+    frozen = {name: p.detach() for name, p in named if not p.requires_grad}
+    buffers = {**frozen, **{name: b.detach() for name, b in module.named_buffers()}}
     spec = _Spec(
         param_shapes={name: p.shape for name, p in params.items()},
         buffer_shapes={name: b.shape for name, b in buffers.items()},
+        frozen=frozenset(frozen),
         return_buffers=_tracks_running_stats(module) if return_buffers is None else return_buffers,
         norm_layers=_norm_layers(module),
         fsdp_states=_fsdp_states(module),
@@ -137,10 +143,13 @@ class Apply:
         _check_tensors(params, spec.param_shapes, arg="params", what="parameter")
         _check_tensors(buffers, spec.buffer_shapes, arg="buffers", what="buffer")
         norm_buffers = _norm_buffers(spec.norm_layers, buffers)
-        cloned = frozenset(buffers) if spec.return_buffers else frozenset(k for ks in norm_buffers for k in ks)
-        run_buffers = {k: b.clone() if k in cloned else b for k, b in buffers.items()}
+        fsdp = bool(spec.fsdp_states)
+        frozen = _gathered({k: buffers[k] for k in spec.frozen}, fsdp=fsdp)
+        kept = {k: b for k, b in buffers.items() if k not in spec.frozen}
+        cloned = frozenset(kept) if spec.return_buffers else frozenset(k for ks in norm_buffers for k in ks)
+        run_buffers = {k: b.clone() if k in cloned else b for k, b in kept.items()}
         versions = {k: _version(b) for k, b in run_buffers.items()}
-        tensors = {**_gathered(params, fsdp=bool(spec.fsdp_states)), **run_buffers}
+        tensors = {**_gathered(params, fsdp=fsdp), **frozen, **run_buffers}
         scopes = module_scopes(self._module) if is_tracing() else contextlib.nullcontext()
         restored = _tensors_restored(self._module) if spec.shared else contextlib.nullcontext()
         with _fsdp_forward_hooks_removed(spec.fsdp_states), scopes, restored:
@@ -164,7 +173,8 @@ class _Spec:
     """What ``functional`` fixed about the module, read by every call of ``apply``."""
 
     param_shapes: dict[str, torch.Size]
-    buffer_shapes: dict[str, torch.Size]
+    buffer_shapes: dict[str, torch.Size]  # frozen parameters' too
+    frozen: frozenset[str]  # parameters that do not require grad, passed among the buffers
     return_buffers: bool
     norm_layers: tuple[tuple[str, _NormBase], ...]
     fsdp_states: tuple[Any, ...]
