@@ -325,3 +325,26 @@ def test_copy_lists_copies_large_tensors_on_their_own(monkeypatch):
     for t, s in zip(targets, sources):
         assert torch.equal(t, s)
     assert lists == [2]  # the two small fp32 tensors; the small int64 one is alone: copy_
+
+
+def test_the_users_own_p_plus_x_minus_p_keeps_eagers_values():
+    def f(p, x):
+        return p + (x - p), x + (torch.round(x * 4) / 4 - x).detach()
+
+    p, x = torch.tensor([1e8, float("inf"), 3.0]), torch.tensor([1.0, 5.0, 4.3])
+    for got, want in zip(sg.static(f)(p, x), f(p, x)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_the_optimizers_new_minus_old_plus_old_is_folded():
+    opt = sg.optim.adamw(1e-2, weight_decay=0.1)
+
+    def step(params, state, x):
+        loss, grads = sg.value_and_grad(lambda p: (x @ p["w"]).square().mean())(params)
+        updates, state = opt.update(grads, state, params)
+        return sg.optim.apply_updates(params, updates), state, loss
+
+    params = {"w": torch.randn(4, 3)}
+    lowered = sg.static(step, donate=("params", "state")).lower(params, opt.init(params), torch.randn(2, 4))
+    targets = {n.target for n in lowered.program.graph.nodes}
+    assert torch.ops.aten._foreach_sub.List not in targets and torch.ops.aten._foreach_add.List not in targets

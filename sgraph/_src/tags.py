@@ -8,6 +8,7 @@ added, and outside a trace it does nothing. ``sg.plan_memory``'s ``save=`` and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -18,10 +19,14 @@ from .dtensors import local
 from .errors import ArgumentTypeError
 from .guards import is_tracing
 
-__all__ = ["TAGS_KEY", "checkpoint_name"]
+__all__ = ["FOLDABLE_KEY", "TAGS_KEY", "checkpoint_name", "mark_foldable"]
 
 TAGS_KEY = "sgraph_tags"
 """Node meta key: the names given to the node's value with :func:`checkpoint_name`, in order."""
+
+FOLDABLE_KEY = "sgraph_foldable"
+"""Node meta key: the node is ``sg.optim``'s own update arithmetic (``new_p - p``, then
+``p + updates``), which the ``simplify`` pass may fold; the user's code is never folded."""
 
 T = TypeVar("T")
 
@@ -65,6 +70,17 @@ def checkpoint_name(x: T, /, name: str) -> T:
         for leaf in leaves:
             _tag(mode.tracer, leaf, name)
     return x
+
+
+def mark_foldable(tensors: Sequence[torch.Tensor]) -> Any:
+    """Mark the graph nodes that made ``tensors`` with :data:`FOLDABLE_KEY`; returns ``tensors``."""
+    mode = get_proxy_mode() if is_tracing() else None
+    if mode is not None:
+        for t in tensors:
+            slot = get_proxy_slot(local(t), mode.tracer, None)
+            if slot is not None:
+                slot.proxy.node.meta[FOLDABLE_KEY] = True
+    return tensors
 
 
 def _tag(tracer: Any, value: torch.Tensor, name: str) -> None:

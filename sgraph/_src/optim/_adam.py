@@ -28,6 +28,7 @@ import torch
 from .. import tree
 from ..kernels.adamw import adamw as fused_adamw
 from ..kernels.adamw import fusable
+from ..tags import mark_foldable
 from . import _checks, _scalars
 from ._base import GradientTransformation, PyTree, zeros_tree
 from ._repr import state_html, state_repr
@@ -102,7 +103,7 @@ def _direction(cfg: _Adam, mu: Tensors, nu: Tensors, lr: _scalars.Scalar, count:
 def _decayed(cfg: _Adam, p: Tensors, step: Tensors, lr: _scalars.Scalar) -> Tensors:
     """``p * (1 - lr * wd) + step - p``: decoupled decay folded into the update."""
     keep = _scalars.like(1.0 - lr * cfg.weight_decay, p[0])
-    return torch._foreach_sub(torch._foreach_add(torch._foreach_mul(p, keep), step), p)
+    return mark_foldable(torch._foreach_sub(torch._foreach_add(torch._foreach_mul(p, keep), step), p))
 
 
 def _fused(
@@ -119,7 +120,7 @@ def _fused(
         list(p), list(g), list(mu), list(nu), count + 1, lr_tensor, cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay
     )
     n = len(p)
-    return torch._foreach_sub(out[:n], list(p)), out[n : 2 * n], out[2 * n :]
+    return mark_foldable(torch._foreach_sub(out[:n], list(p))), out[n : 2 * n], out[2 * n :]
 
 
 def _decay_params(cfg: _Adam, grads: PyTree, params: PyTree | None) -> Tensors | None:

@@ -13,6 +13,7 @@ import torch
 
 from .. import tree
 from ..errors import ArgumentTypeError
+from ..tags import mark_foldable
 from ._repr import state_html, state_repr
 
 __all__ = [
@@ -158,4 +159,4 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     if not p:
         return tree.unflatten(spec, [])
     u = [x if x.dtype == y.dtype else x.to(y.dtype) for x, y in zip(tree.leaves(updates), p)]
-    return tree.unflatten(spec, torch._foreach_add(p, u))
+    return tree.unflatten(spec, mark_foldable(torch._foreach_add(p, u)))

@@ -4,7 +4,12 @@
 ``apply_updates`` computes ``p + (new_p - p)``, which equals ``new_p`` exactly
 whenever ``new_p`` is within a factor of two of ``p`` (Sterbenz), and otherwise
 differs from it by at most one rounding. Folding it saves two passes over every
-parameter, for the foreach (list) and the single-tensor forms alike.
+parameter, for the foreach (list) and the single-tensor forms alike (a sharded
+step's foreach ops come as single ones).
+
+Only ``sg.optim``'s own nodes are folded (marked with ``FOLDABLE_KEY`` when traced):
+the same arithmetic in user code keeps eager's values, which differ where ``p`` is
+large against ``x`` or not finite (``p + (x - p)`` is NaN for an infinite ``p``).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import cast
 import torch
 
 from ..program import Program
+from ..tags import FOLDABLE_KEY
 
 __all__ = ["simplify"]
 
@@ -49,6 +55,7 @@ def _fold_single(add: Node) -> None:
     p, diff = add.args
     if (
         isinstance(diff, Node)
+        and _foldable(add, diff)
         and diff.target is aten.sub.Tensor
         and not diff.kwargs
         and diff.args[1] is p
@@ -72,10 +79,16 @@ def _fold_list(add: Node) -> None:
         return
     if any(d.target is not operator.getitem or d.args[1] != k or len(d.users) != 1 for k, d in enumerate(diffs)):
         return
+    if not _foldable(*diffs):
+        return
     news = cast("Sequence[Node]", sub.args[0])
     for user in list(add.users):
-        if user.target is operator.getitem and _same_meta(user, news[cast(int, user.args[1])]):
+        if user.target is operator.getitem and _foldable(user) and _same_meta(user, news[cast(int, user.args[1])]):
             user.replace_all_uses_with(news[cast(int, user.args[1])])
+
+
+def _foldable(*nodes: Node) -> bool:
+    return all(n.meta.get(FOLDABLE_KEY, False) for n in nodes)
 
 
 def _same_meta(a: Node, b: object) -> bool:
