@@ -295,6 +295,23 @@ def test_checkpointed_dropout_raises_instead_of_wrong_gradients():
         sg.static(lambda w, x: sg.grad(loss)(w, x))(torch.ones(8), torch.arange(8.0))
 
 
+def test_checkpoint_inside_a_functional_module_raises_naming_the_recomputation():
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return checkpoint(lambda t: torch.tanh(self.fc(t)), x, use_reentrant=False)
+
+    apply, params, buffers = sg.functional(Net())
+    loss = lambda p, x: apply(p, buffers, x).square().sum()  # noqa: E731
+    with pytest.raises(sg.CaptureError, match=r"in the backward: torch.utils.checkpoint recomputes .*sg.plan_memory"):
+        sg.static(sg.grad(loss))(params, torch.randn(3, 4))
+
+
 def test_checkpointed_sg_random_dropout_matches_eager():
     from torch.utils.checkpoint import checkpoint
 

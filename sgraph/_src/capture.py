@@ -379,6 +379,15 @@ class SourceMode(TorchDispatchMode):
                 continue  # a wrapper: its local shard is checked when DTensor runs the op on it
             if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) and a.requires_grad:
                 kind = "an nn.Parameter" if isinstance(a, torch.nn.Parameter) else "a tensor that requires grad"
+                if torch._C._current_autograd_node() is not None:  # a recomputation in the backward
+                    raise CaptureError(
+                        f"{self.api}: {func} reads {kind} of shape {list(a.shape)}{where(user_source())} "
+                        "in the backward: torch.utils.checkpoint recomputes a function that reads a "
+                        "module's own parameters, not the ones passed to sg.functional's apply (the "
+                        "recomputation runs after apply has put the module's own tensors back). Let "
+                        "sg.plan_memory recompute it instead (sg.plan_memory(recompute='<module path>')), "
+                        "or checkpoint a function that takes the weights as arguments."
+                    )
                 raise CaptureError(
                     f"{self.api}: {func} reads {kind} of shape {list(a.shape)}{where(user_source())} "
                     "that is not an argument of the step, so it would be frozen into the graph as a "
