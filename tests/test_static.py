@@ -348,3 +348,21 @@ def test_the_optimizers_new_minus_old_plus_old_is_folded():
     lowered = sg.static(step, donate=("params", "state")).lower(params, opt.init(params), torch.randn(2, 4))
     targets = {n.target for n in lowered.program.graph.nodes}
     assert torch.ops.aten._foreach_sub.List not in targets and torch.ops.aten._foreach_add.List not in targets
+
+
+def test_donating_star_args_or_star_star_kwargs_by_name_donates_what_they_collect():
+    @sg.static(donate="args")
+    def each(*args):
+        return tuple(a + 1 for a in args)
+
+    @sg.static(donate="named")
+    def keyed(x, **named):
+        return x * 2, {k: v + 1 for k, v in named.items()}
+
+    a, b = torch.zeros(2), torch.ones(3)
+    assert each.lower(a, b).program.donated == frozenset({0, 1})
+    out = each(a, b)
+    assert out[0] is a and out[1] is b and a.tolist() == [1.0, 1.0]
+    x, q = torch.ones(4), torch.zeros(2)
+    assert keyed.lower(x, q=q).program.donated == frozenset({1})  # x is not donated
+    assert keyed(x, q=q)[1]["q"] is q and q.tolist() == [1.0, 1.0] and x.tolist() == [1.0] * 4

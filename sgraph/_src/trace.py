@@ -98,10 +98,16 @@ def arg_layout(
     names = positional_names(fn, len(args) + skip)[skip:]
     positions = {d - skip for d in donate if isinstance(d, int)}
     named = {d for d in donate if isinstance(d, str)}
+    star, star_star, declared = _variadic(fn)
+    # donating ``*args`` or ``**kwargs`` by name donates every argument they collect
+    in_star = {i for i, n in enumerate(names) if star in named and n.startswith(f"{star}[")}
     paths: list[str] = []
     donated: set[int] = set()
-    parts = [(names[i], a, i in positions or names[i] in named) for i, a in enumerate(args)]
-    parts += [(k, kwargs[k], k in named or _position(fn, k, skip) in positions) for k in sorted(kwargs)]
+    parts = [(names[i], a, i in positions or names[i] in named or i in in_star) for i, a in enumerate(args)]
+    parts += [
+        (k, kwargs[k], k in named or _position(fn, k, skip) in positions or (star_star in named and k not in declared))
+        for k in sorted(kwargs)
+    ]
     for name, value, is_donated in parts:
         leaf_paths = tree.flatten_with_paths(value, prefix=name)[0]
         if is_donated:
@@ -119,6 +125,18 @@ def positional_names(fn: Callable[..., Any], count: int) -> list[str]:
     names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     star = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), "args")
     return [names[i] if i < len(names) else f"{star}[{i - len(names)}]" for i in range(count)]
+
+
+def _variadic(fn: Callable[..., Any]) -> tuple[str | None, str | None, frozenset[str]]:
+    """The names of ``fn``'s ``*args`` and ``**kwargs`` parameters (None where it has
+    none), and of its other parameters."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None, None, frozenset()
+    star = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), None)
+    star_star = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
+    return star, star_star, frozenset(p.name for p in params if p.name not in (star, star_star))
 
 
 def _position(fn: Callable[..., Any], name: str, skip: int) -> int | None:
