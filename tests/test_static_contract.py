@@ -415,3 +415,24 @@ def test_outputs_are_plain_tensors_with_eager_values_even_where_eager_returns_pa
             torch.testing.assert_close(out[key], eager[key].detach(), rtol=0, atol=0)
         again = static({"w": out["w"]}, torch.arange(3.0))["w"]  # fed back as it is
         assert again.tolist() == pytest.approx([1.0, 0.8, 0.6])
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (lambda d, items: d.__setitem__("new", d["a"] * 2), "adds d['new']"),
+        (lambda d, items: items.append(d["a"]), "adds items[0]"),
+        (lambda d, items: d.__setitem__("a", d["a"] + 1), "replaces d['a']"),
+        (lambda d, items: d.pop("a"), "removes d['a']"),
+    ],
+)
+def test_a_step_changing_its_argument_containers_raises_naming_the_change(change, named):
+    def step(d, items):
+        out = d["a"] + 1
+        change(d, items)
+        return out
+
+    d, items = {"a": torch.ones(2)}, []
+    with pytest.raises(sg.CaptureError, match=re.escape(named)):
+        sg.static(step)(d, items)
+    assert list(d) == ["a"] and items == [] and torch.equal(d["a"], torch.ones(2))  # the user's own are untouched

@@ -189,7 +189,7 @@ def trace(
     donated = frozenset(
         cast(int, info.graph_index) for i, info in enumerate(inputs) if i in layout.donated_leaves and info.is_tensor
     )
-    flat_fn, result = _flat_step(fn, api, in_spec, leaves, bound, kernels, compute, out_layout)
+    flat_fn, result = _flat_step(fn, api, in_spec, leaves, bound, kernels, compute, out_layout, layout)
     # GuardMode adds the sync and RNG guards. The graph modules made here generate
     # their Python code when first called (only an eager run calls them), not here.
     with _TRACE_LOCK, guards.tracing() as modules, compute_scope(), exact_shifts(), _use_lazy_graph_module(True):
@@ -239,6 +239,7 @@ def _flat_step(
     kernels: Sequence[str],
     compute: Sequence[Any],
     out_layout: OutLayout | None,
+    layout: ArgLayout,
 ) -> tuple[Callable[..., list[torch.Tensor]], dict[str, Any]]:
     """``fn`` as a function of its tensor leaves only (DTensors as local shards),
     returning its tensor outputs (DTensors as local shards)."""
@@ -259,6 +260,7 @@ def _flat_step(
         mlps = GeluMlpMode() if "gelu_mlp" in kernels else contextlib.nullcontext()
         with GuardMode(api), CudnnRnnGuard(api), SourceMode(api), patterns, mlps, _replicated_constants(dists):
             out = fn(*bound, *args, **kwargs)
+            _check_arguments_kept(api, args, kwargs, in_spec, full, layout)
             out_leaves, result["spec"] = tree.flatten(out)
             targets = matching_layout(leaves, in_spec)(out)
             if out_layout is not None:  # the out= spec's choices; where it has none, the default
@@ -268,6 +270,48 @@ def _flat_step(
         return [leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor)]
 
     return flat_fn, result
+
+
+def _check_arguments_kept(
+    api: str, args: Any, kwargs: dict[str, Any], in_spec: tree.PyTreeSpec, before: list[Any], layout: ArgLayout
+) -> None:
+    """Raise if the step changed its argument containers (a key added to a dict, an item
+    appended, a leaf replaced): the step's Python runs once, at trace, so later calls
+    would not repeat the change that eager makes on every call."""
+    leaves, spec = tree.flatten((tuple(args), dict(kwargs)))
+    if spec == in_spec and all(_kept(a, b) for a, b in zip(before, leaves)):
+        return
+    names = layout.names
+    paths: list[str] = []
+    for name, value in zip(names, [*args, *(kwargs[k] for k in sorted(kwargs))]):
+        paths += tree.flatten_with_paths(value, prefix=name)[0]
+    was = dict(zip(layout.paths, before))
+    now = dict(zip(paths, leaves))
+    changes = [f"adds {p}" for p in now if p not in was] + [f"removes {p}" for p in was if p not in now]
+    changes += [f"replaces {p}" for p in now if p in was and not _kept(was[p], now[p])]
+    raise CaptureError(
+        f"{api}: the step changes its arguments' containers ({'; '.join(changes[:3]) or 'their structure'}). "
+        "A compiled step runs your Python once, when it is traced, so later calls would not make that "
+        "change, where eager makes it on every call. Build new containers and return them instead "
+        "(state = {**state, 'step': step + 1})."
+    )
+
+
+def _kept(a: Any, b: Any) -> bool:
+    return a is b or (_static_leaf(a) and _same_static(a, b))
+
+
+def _static_leaf(x: Any) -> bool:
+    return not isinstance(x, torch.Tensor)
+
+
+def _same_static(a: Any, b: Any) -> bool:
+    if isinstance(b, torch.Tensor):
+        return False
+    try:
+        return bool(type(a) is type(b) and a == b)
+    except Exception:  # an object whose == does not give a bool
+        return False
 
 
 def _replicated_constants(dists: Sequence[DistInfo | None]) -> Any:
