@@ -68,3 +68,16 @@ def test_paths_of_a_tree_itself_and_of_its_spec_agree():
     want = ["opt_state.count", "opt_state.mu['b']", "opt_state.mu['w']", "opt_state.nu['b']", "opt_state.nu['w']"]
     assert sg.tree.paths(state, prefix="opt_state") == want
     assert sg.tree.paths(sg.tree.flatten(state)[1], prefix="opt_state") == want
+
+
+def test_structure_messages_name_the_mapping_type_and_an_ordered_dicts_order():
+    import collections
+
+    cases = [
+        (collections.OrderedDict(a=1, b=2), collections.OrderedDict(b=2, a=1), "OrderedDict with keys ['b', 'a']"),
+        ({"a": 1}, collections.OrderedDict(a=1), "expected dict with keys ['a'], found OrderedDict"),
+        ({"a": 1}, collections.defaultdict(int, a=1), "found defaultdict with keys ['a']"),
+    ]
+    for a, b, named in cases:
+        with pytest.raises(sg.TreeStructureError, match=re.escape(named)):
+            sg.tree.map(lambda u, v: u + v, a, b)

@@ -9,6 +9,7 @@ pasted back into code.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -192,7 +193,10 @@ def assert_same_structure(expected: Any, found: Any, /, *, what: str, prefix: st
 
 def _node_summary(node: Any) -> str:
     if isinstance(node, dict):
-        return f"dict with keys [{', '.join(sorted(repr(k) for k in node))}]"
+        # OrderedDicts and defaultdicts are other structures than dicts; an OrderedDict's
+        # key order is part of its structure, a dict's is not
+        keys = [repr(k) for k in node] if isinstance(node, collections.OrderedDict) else sorted(repr(k) for k in node)
+        return f"{type(node).__name__} with keys [{', '.join(keys)}]"
     if isinstance(node, tuple) and hasattr(node, "_fields"):
         return f"{type(node).__name__} with fields {list(node._fields)}"
     if isinstance(node, (list, tuple)):
