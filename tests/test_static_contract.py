@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 import threading
 
@@ -436,3 +437,18 @@ def test_a_step_changing_its_argument_containers_raises_naming_the_change(change
     with pytest.raises(sg.CaptureError, match=re.escape(named)):
         sg.static(step)(d, items)
     assert list(d) == ["a"] and items == [] and torch.equal(d["a"], torch.ones(2))  # the user's own are untouched
+
+
+def test_warnings_point_at_the_users_call():
+    import warnings
+
+    step = sg.static(lambda p, e: p * 2, donate=("p", "e"), retrace="warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        step(torch.ones(3), torch.ones(2, dtype=torch.long))  # e is donated but matches no output
+        step(torch.ones(4), torch.ones(2, dtype=torch.long))  # a retrace
+    assert {w.category for w in caught} >= {sg.DonationWarning, sg.RetraceWarning}
+    for w in caught:
+        if issubclass(w.category, sg.SgraphWarning):
+            assert (w.filename, w.lineno) in ((__file__, line), (__file__, line + 1)), w

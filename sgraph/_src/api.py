@@ -11,7 +11,6 @@ import functools
 import inspect
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, overload
@@ -20,7 +19,7 @@ from . import guards
 from .argtree import ArgFlattener, CallStructure
 from .collector import full_collections_deferred
 from .dispatch import Entry, check_call_inputs, nearest
-from .errors import ArgumentError, ArgumentTypeError, CaptureError, FallbackWarning, RetraceError, RetraceWarning
+from .errors import ArgumentError, ArgumentTypeError, CaptureError, FallbackWarning, RetraceError, RetraceWarning, warn
 from .options import (
     Fallback,
     FuseOptions,
@@ -201,7 +200,7 @@ class Transformed:
         if policy == "error":
             raise RetraceError(message + ", or pass retrace='warn' to allow it.")
         if policy == "warn":
-            warnings.warn(message + ", or pass retrace='allow' to silence this.", RetraceWarning, stacklevel=5)
+            warn(message + ", or pass retrace='allow' to silence this.", RetraceWarning)
         self._counters.retraces += 1
 
     # ----------------------------------------------------------------------- stages
@@ -288,11 +287,10 @@ class Transformed:
 
     def _fall_back(self, error: CaptureError) -> None:
         self._fallback_reason = str(error)
-        warnings.warn(
+        warn(
             f"{self.api}: the step cannot be captured, so it runs eagerly from now on "
             f"(fallback='eager'). Reason: {error}",
             FallbackWarning,
-            stacklevel=5,
         )
 
     # ----------------------------------------------------------------------- methods

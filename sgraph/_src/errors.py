@@ -73,3 +73,26 @@ class DonationWarning(SgraphWarning):
 
 class FallbackWarning(SgraphWarning):
     """A step that could not be captured runs uncaptured because ``fallback`` allows it."""
+
+
+def warn(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` attributed to the user's line: the innermost frame outside
+    sgraph, torch and the standard library's wrappers (however deep the call came)."""
+    import os
+    import sys
+    import types
+    import warnings
+
+    import torch
+
+    skipped = (
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+        os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+        os.path.dirname(os.path.abspath(os.__file__)) + os.sep + "contextlib.py",
+        os.path.dirname(os.path.abspath(os.__file__)) + os.sep + "functools.py",
+    )
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(skipped):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level + 1 if frame is not None else 2)

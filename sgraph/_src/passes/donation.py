@@ -31,12 +31,11 @@ donated input on the next call.
 from __future__ import annotations
 
 import re
-import warnings
 from typing import cast
 
 import torch
 
-from ..errors import DonationWarning
+from ..errors import DonationWarning, warn
 from ..program import LeafInfo, Program, memory_root, output_node, placeholders, returned
 
 __all__ = ["donation"]
@@ -165,11 +164,10 @@ def _overlaps_itself(node: Node) -> bool:
 def _warn_unused(program: Program, index: int, why: str = "") -> None:
     leaf = program.tensor_inputs[index]
     reason = why or "it matches no output of the same shape, dtype and device"
-    warnings.warn(
+    warn(
         f"{program.name}: donated input {leaf.path} ({leaf.describe()}) is not reused: {reason}. "
         "Return its new value from the step, or stop donating it.",
         DonationWarning,
-        stacklevel=2,
     )
 
 

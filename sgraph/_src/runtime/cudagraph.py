@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ..capture import SOURCE_KEY
-from ..errors import CaptureError, FallbackWarning, RetraceWarning, SgraphWarning, StaleBufferError
+from ..errors import CaptureError, FallbackWarning, RetraceWarning, SgraphWarning, StaleBufferError, warn
 from ..options import StaticOptions
 from ..program import Program, placeholders, returned
 from .eager import copy_lists, write_back
@@ -111,11 +110,7 @@ class CudaGraphExecutable:
                 message + ". Pass back the tensors the step returned, or allow a new capture with retrace='warn'."
             )
         if self.options.retrace == "warn":
-            warnings.warn(
-                message + "; capturing again. Pass back the tensors the step returned to avoid it.",
-                RetraceWarning,
-                stacklevel=5,
-            )
+            warn(message + "; capturing again. Pass back the tensors the step returned to avoid it.", RetraceWarning)
         return True
 
     def _run_then_capture(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -163,11 +158,7 @@ class CudaGraphExecutable:
         if self.options.fallback != "eager":
             raise CaptureError(str(error) + note) from error
         self.uncaptured = True
-        warnings.warn(
-            f"{error} Running this step uncaptured from now on (fallback='eager').",
-            FallbackWarning,
-            stacklevel=7,
-        )
+        warn(f"{error} Running this step uncaptured from now on (fallback='eager').", FallbackWarning)
 
     def _capture(self, inputs: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None:
         donated = set(self.donated)
@@ -215,7 +206,7 @@ def _check_plan(program: Program, allocated: int, reserved: int, *, generated: b
     if allocated <= limit:
         return
     kinds = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(predicted.by_kind.items(), key=lambda kv: -kv[1]))
-    warnings.warn(
+    warn(
         f"{program.name}: the first step allocated {allocated / 2**20:.0f} MiB at its peak ({reserved / 2**20:.0f} "
         f"MiB reserved), over the {limit / 2**20:.0f} MiB allowed by sg.plan_memory's plan of "
         f"{predicted.peak_bytes / 2**20:.0f} MiB (MiB by kind at "
@@ -223,7 +214,6 @@ def _check_plan(program: Program, allocated: int, reserved: int, *, generated: b
         "are not donated, buffers generated kernels keep to themselves, workspaces of libraries other than "
         "cuBLAS, or tensors allocated outside the step. Lower the budget by that much to fit.",
         SgraphWarning,
-        stacklevel=6,
     )
 
 
