@@ -122,6 +122,8 @@ def test_compiled_names_the_leaves_of_another_structure():
         compiled(params, (*batch, batch[1]))
     with pytest.raises(TypeError, match=re.escape("1 positional argument and keywords ['batch']")):
         compiled(params, batch=batch)
+    with pytest.raises(TypeError, match="too many positional arguments"):  # as Python says it
+        compiled(params, batch, 1)
 
 
 def test_signature_and_trace_count():

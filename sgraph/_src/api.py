@@ -258,7 +258,7 @@ class Transformed:
             signature.names,
         )
         return Traced(
-            program, signature, layout, self.options, self._counters, time.perf_counter() - start, self._layout
+            program, signature, layout, self.options, self._counters, time.perf_counter() - start, self._bound_layout
         )
 
     def _named(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -277,6 +277,11 @@ class Transformed:
         placed = self._sharder.place(self._named(args, kwargs))
         n = len(args)
         return tuple(placed[:n]), dict(zip(sorted(kwargs), placed[n:]))
+
+    def _bound_layout(self, args: Sequence[Any], kwargs: dict[str, Any]) -> ArgLayout:
+        """The layout of a call Python would take; raises Python's ``TypeError`` otherwise."""
+        self._check_binding(args, kwargs)
+        return self._layout(args, kwargs)
 
     def _layout(self, args: Sequence[Any], kwargs: dict[str, Any]) -> ArgLayout:
         return arg_layout(self.fn, args, kwargs, self._static.donate, skip=0 if self._bound is None else 1)

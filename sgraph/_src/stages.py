@@ -297,10 +297,7 @@ class Compiled(_Stage):
         """``signature`` with this call's own leaf paths (it was built with the traced ones)."""
         if self._layout_of is None:
             return signature
-        try:
-            layout = self._layout_of(args, kwargs)
-        except (TypeError, ValueError):  # too many positional arguments: no names for them
-            return signature
+        layout = self._layout_of(args, kwargs)  # a call the step cannot take raises Python's TypeError
         return dataclasses.replace(signature, paths=layout.paths, names=layout.names)
 
     def call_flat(self, leaves: list[Any]) -> Any:
