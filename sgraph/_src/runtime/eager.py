@@ -8,8 +8,9 @@ from collections.abc import Sequence
 import torch
 
 from ..program import Program
+from ..source import SOURCE_KEY
 
-__all__ = ["OWN_COPY_BYTES", "EagerExecutable", "copy_lists", "write_back"]
+__all__ = ["OWN_COPY_BYTES", "EagerExecutable", "copy_lists", "note_failing_node", "write_back"]
 
 OWN_COPY_BYTES = 32 * 1024
 """Bytes from which :func:`copy_lists` copies a tensor on its own rather than in a
@@ -31,9 +32,40 @@ class EagerExecutable:
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         with torch.no_grad():
-            outputs = list(self.graph_module(*inputs))
+            try:
+                outputs = list(self.graph_module(*inputs))
+            except Exception as error:
+                note_failing_node(error, self.graph_module)
+                raise
             write_back(inputs, outputs, self.aliases)
         return outputs
+
+
+def note_failing_node(error: BaseException, graph_module: torch.fx.GraphModule) -> None:
+    """Add a note to ``error``, raised while ``graph_module`` ran, naming the traced op
+    that raised and the user's source line it came from (the traceback itself points
+    into the generated code of the graph). Nothing is added where the op is not found,
+    or before Python 3.11 (no exception notes)."""
+    if not hasattr(error, "add_note"):
+        return
+    code = graph_module.forward.__code__
+    lineno = None
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            lineno = tb.tb_lineno
+        tb = tb.tb_next
+    lines = getattr(graph_module, "_lineno_map", None)
+    if lineno is None or not lines:
+        return
+    index = lines.get(lineno - code.co_firstlineno)
+    nodes = list(graph_module.graph.nodes)
+    if index is None or not 0 <= index < len(nodes):
+        return
+    node = nodes[index]
+    source = node.meta.get(SOURCE_KEY)
+    where = f", traced from {source.describe()}" if source is not None else ""
+    error.add_note(f"sgraph: raised by the compiled step's {node.target} (node %{node.name}){where}")
 
 
 def write_back(inputs: Sequence[torch.Tensor], outputs: list[torch.Tensor], aliases: Sequence[tuple[int, int]]) -> None:

@@ -39,8 +39,9 @@ from ..errors import CaptureError
 from ..kernels.adamw import decompositions as optimizer_decompositions
 from ..options import FuseOptions
 from ..program import Program, memory_root, output_node, placeholders, returned
+from ..source import SOURCE_KEY
 from .inductor_direct import compile_direct
-from .inductor_kernels import KernelMap, kernel_map
+from .inductor_kernels import KernelMap, kernel_map, note_failing_kernel
 from .inductor_placement import copies_in_place
 from .progress import progress
 from .regions import Outlined, outline_blocks
@@ -85,10 +86,16 @@ class InductorExecutable:
         self.compile_seconds = time.perf_counter() - start
         self.kernels: KernelMap = kernel_map(self._compiled, outlined.members)
         self.kernel_launches: int | None = None
+        self._sources = {n.name: n.meta[SOURCE_KEY] for n in program.graph.nodes if SOURCE_KEY in n.meta}
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         with torch.no_grad():
-            values = _unshared(list(self._compiled(*inputs)), [inputs[i] for i in self._donated], self._roots)
+            try:
+                results = list(self._compiled(*inputs))
+            except Exception as error:
+                note_failing_kernel(error, self.kernels, self._sources)
+                raise
+            values = _unshared(results, [inputs[i] for i in self._donated], self._roots)
         outputs: list[Any] = [None] * self._count
         for i, value in zip(self._kept, values):
             outputs[i] = value

@@ -12,12 +12,13 @@ and the kernel count then comes from the generated ``call`` function's text.
 from __future__ import annotations
 
 import json
+import linecache
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BlockCode", "Kernel", "KernelMap", "kernel_map"]
+__all__ = ["BlockCode", "Kernel", "KernelMap", "kernel_map", "note_failing_kernel"]
 
 
 @dataclass(frozen=True)
@@ -266,3 +267,40 @@ def _references(obj: Any) -> list[Any]:
     elif hasattr(obj, "__dict__") and not isinstance(obj, type):
         found += [v for v in vars(obj).values() if not isinstance(v, (str, int, float, bool, type(None)))]
     return found
+
+
+def note_failing_kernel(error: BaseException, kernels: KernelMap, sources: Mapping[str, Any]) -> None:
+    """Add a note to ``error``, raised inside the generated code, naming the kernel
+    call that raised and the user's source lines of the nodes it computes (the
+    traceback itself ends in Inductor's generated module). ``sources``: each Program
+    node's :class:`~sgraph._src.source.Source`, by name. Nothing is added before
+    Python 3.11 (no exception notes) or where no kernel call is found."""
+    if not hasattr(error, "add_note"):
+        return
+    name = None
+    tb = error.__traceback__
+    while tb is not None:
+        line = linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+        found = _CALL.match(line)
+        if found is not None:
+            name = next(g for g in found.groups() if g)
+        tb = tb.tb_next
+    if name is None:
+        return
+    places = dict.fromkeys(
+        sources[node].describe()
+        for kernel in kernels.kernels
+        if kernel.name == name
+        for node in kernel.nodes
+        if sources.get(node) is not None
+    )
+    if places:
+        lines = list(places)
+        more = f" and {len(lines) - 3} more" if len(lines) > 3 else ""
+        traced = "; ".join(lines[:3]) + more
+        error.add_note(f"sgraph: raised by the generated kernel {name}, which computes ops traced from {traced}")
+    else:
+        error.add_note(
+            f"sgraph: raised by the generated kernel {name}; "
+            "call the step without sg.fuse to see the line it comes from"
+        )
