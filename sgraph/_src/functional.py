@@ -97,7 +97,7 @@ def functional(
     spec = _Spec(
         param_shapes={name: p.shape for name, p in params.items()},
         buffer_shapes={name: b.shape for name, b in buffers.items()},
-        frozen=frozenset(frozen),
+        frozen=tuple(frozen),
         return_buffers=_tracks_running_stats(module) if return_buffers is None else return_buffers,
         norm_layers=_norm_layers(module),
         fsdp_states=_fsdp_states(module),
@@ -145,7 +145,7 @@ class Apply:
         norm_buffers = _norm_buffers(spec.norm_layers, buffers)
         fsdp = bool(spec.fsdp_states)
         frozen = _gathered({k: buffers[k] for k in spec.frozen}, fsdp=fsdp)
-        kept = {k: b for k, b in buffers.items() if k not in spec.frozen}
+        kept = {k: b for k, b in buffers.items() if k not in frozen}
         cloned = frozenset(kept) if spec.return_buffers else frozenset(k for ks in norm_buffers for k in ks)
         run_buffers = {k: b.clone() if k in cloned else b for k, b in kept.items()}
         versions = {k: _version(b) for k, b in run_buffers.items()}
@@ -174,7 +174,8 @@ class _Spec:
 
     param_shapes: dict[str, torch.Size]
     buffer_shapes: dict[str, torch.Size]  # frozen parameters' too
-    frozen: frozenset[str]  # parameters that do not require grad, passed among the buffers
+    frozen: tuple[str, ...]  # parameters that do not require grad, passed among the buffers, in the
+    # module's order: under FSDP2 each rank gathers them in this order, so it must not vary with the hash seed
     return_buffers: bool
     norm_layers: tuple[tuple[str, _NormBase], ...]
     fsdp_states: tuple[Any, ...]

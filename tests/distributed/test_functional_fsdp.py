@@ -186,6 +186,50 @@ def static_step_over_fsdp2_model_matches_fsdp2_training(rank: int, mesh) -> None
         assert out.shape == (ROWS, 5)
 
 
+def _partly_frozen() -> nn.Module:
+    """Four frozen tensors, two of each shape: ranks gathering them in different orders
+    would swap them silently (same shapes) or fail (different ones)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 5))
+    for layer in (model[0], model[1]):
+        layer.requires_grad_(False)
+    return model
+
+
+@_check
+def frozen_params_are_gathered_in_the_same_order_on_every_rank(rank: int, mesh) -> None:
+    """Each spawned process draws its own string-hash seed: the frozen tensors' order
+    must come from the module, not from a set of their names."""
+    from torch.distributed.fsdp import fully_shard
+
+    batches = [torch.randn(WORLD * ROWS, 4, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    reference = _partly_frozen()
+    opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
+    want = []
+    for x in batches:
+        loss = reference(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.detach())
+    model = _partly_frozen()
+    for layer in (model[0], model[1], model[3]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    apply, params, buffers = sg.functional(model)
+    sgd = sg.optim.sgd(0.1)
+    step = sg.static(_sgd_step(apply, buffers, sgd))
+    state = sgd.init(params)
+    for x, want_loss in zip(batches, want):
+        params, state, loss = step(params, state, _local(x, rank))
+        got = loss.detach().clone()  # this rank's rows: the mean over ranks is the global loss
+        torch.distributed.all_reduce(got)
+        torch.testing.assert_close(got / WORLD, want_loss, rtol=1e-5, atol=1e-7)
+    for k, v in reference.state_dict().items():
+        got = params[k] if k in params else buffers[k]
+        torch.testing.assert_close(got.full_tensor(), v, rtol=1e-5, atol=1e-6)
+
+
 @_check
 def fsdp_still_works_after_apply(rank: int, mesh) -> None:
     reference = _reference()
