@@ -315,6 +315,24 @@ def test_an_outer_autocast_retraces_and_matches_eager():
     assert step(a, b).dtype == torch.float32
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["eager-kernels", "fuse"])
+def test_a_region_the_step_turns_autocast_off_in_stays_fp32_in_the_graph(fuse):
+    """Capture runs the graph's ops under the caller's autocast unless sgraph turns it off."""
+
+    def f(a, b):
+        with torch.autocast("cuda", enabled=False):
+            return a @ b
+
+    step = sg.static(sg.fuse(f) if fuse else f)
+    a, b = torch.randn(64, 64, device="cuda"), torch.randn(64, 64, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = f(a, b)
+        outs = [step(a, b) for _ in range(3)]
+    for out in outs:
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_inputs_aliasing_a_donated_input_give_the_eager_result_under_replay():
     def step(params, ema):
         new = {"w": params["w"] - 0.1}

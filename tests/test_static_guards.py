@@ -253,3 +253,28 @@ def test_the_default_device_is_guarded():
     finally:
         torch.set_default_device(None)
     assert made.device.type == "meta" and step.trace_count == 2  # as eager makes it
+
+
+def _fp32_inside(a, b):
+    with torch.autocast("cpu", enabled=False):  # this matmul stays fp32 under any outer autocast
+        return a @ b
+
+
+def _fp16_inside(a, b):
+    with torch.autocast("cpu", dtype=torch.float16):
+        return a @ b
+
+
+@pytest.mark.parametrize("fn", [_fp32_inside, _fp16_inside], ids=["disabled", "fp16"])
+def test_an_autocast_region_of_the_step_holds_under_the_callers_autocast(fn):
+    """The graph holds the trace's casts; running it under the caller's autocast cast again."""
+    a, b = torch.randn(16, 16), torch.randn(16, 16)
+    step = sg.static(fn)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = fn(a, b)
+        for _ in range(2):
+            out = step(a, b)
+            assert out.dtype == expected.dtype and torch.equal(out, expected)
+        lowered = sg.static(fn).lower(a, b)  # the stages, called under autocast themselves
+        out = lowered.compile()(a, b)
+    assert out.dtype == expected.dtype and torch.equal(out, expected)

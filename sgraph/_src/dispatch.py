@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .errors import ArgumentError, ArgumentTypeError, SgraphError, UnsupportedError
-from .guards import GlobalState, ModuleFlags
+from .guards import GlobalState, ModuleFlags, autocast_enabled, autocast_off
 from .hidden import find_hidden_tensor
 from .signature import Signature, TensorCheck, static_key
 from .stages import Compiled
@@ -44,6 +44,7 @@ class Entry:
         self._take = _taker(tensor_at)
         tensors = self._take(leaves)
         self.check = TensorCheck(tensors)
+        self._autocast = autocast_enabled()  # part of the signature's state: the same on every call run here
 
     def accepts(self, leaves: Sequence[Any], state: GlobalState) -> Sequence[torch.Tensor] | None:
         """The call's tensor leaves if this entry may run it, else None."""
@@ -71,6 +72,9 @@ class Entry:
 
     def run(self, tensors: Sequence[torch.Tensor]) -> Any:
         """Run on an accepted call's tensors; returns the step's output pytree."""
+        if self._autocast:
+            with autocast_off():
+                return self.compiled.call_tensors(tensors)
         return self.compiled.call_tensors(tensors)
 
 

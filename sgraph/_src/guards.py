@@ -25,6 +25,8 @@ from torch.utils._device import DeviceContext
 __all__ = [
     "GlobalState",
     "ModuleFlags",
+    "autocast_enabled",
+    "autocast_off",
     "global_state",
     "describe_global_change",
     "tracing",
@@ -48,6 +50,25 @@ def _autocast(device: str) -> tuple[str, Callable[[], Any] | None]:
     dtype = _getter("get_autocast_dtype", device)
     getter = (lambda: bool(enabled()) and dtype()) if enabled and dtype else None
     return f"autocast ({device})", getter
+
+
+AUTOCAST_DEVICES = ("cpu", "cuda")
+"""The devices whose autocast :func:`global_state` snapshots."""
+
+
+def autocast_enabled() -> bool:
+    """Whether autocast is on for any of :data:`AUTOCAST_DEVICES`."""
+    return any(torch.is_autocast_enabled(device) for device in AUTOCAST_DEVICES)
+
+
+@contextmanager
+def autocast_off() -> Iterator[None]:
+    """Autocast off on :data:`AUTOCAST_DEVICES`, for lowering, compiling and running a
+    traced step: its graph holds the casts the trace made (and none inside a region
+    the step turned autocast off in), so running it under the caller's autocast would
+    cast again."""
+    with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+        yield
 
 
 def _default_device() -> Any:

@@ -23,7 +23,7 @@ from .argtree import ArgFlattener
 from .collector import full_collections_deferred
 from .dtensors import dist_info, is_dtensor, local, wrap
 from .errors import ArgumentTypeError
-from .guards import global_state
+from .guards import autocast_enabled, autocast_off, global_state
 from .options import Options
 from .passes.memory.analysis import MemoryAnalysis, memory_analysis
 from .passes.memory.plan import MemoryPlan
@@ -182,7 +182,7 @@ class Traced(_Stage):
     def lower(self) -> Lowered:
         """Run the passes (cleanup, donation, and those the transforms ask for)."""
         start = time.perf_counter()
-        with full_collections_deferred():
+        with full_collections_deferred(), autocast_off():
             program = run_passes(self.program, self.options)
         return Lowered(program, self, time.perf_counter() - start)
 
@@ -243,7 +243,7 @@ class Lowered(_Stage):
         if options.fuse is not None:
             from .runtime.inductor import InductorExecutable
 
-            with full_collections_deferred():
+            with full_collections_deferred(), autocast_off():
                 body = InductorExecutable(self.program, options.fuse)
         if graph:
             from .runtime.cudagraph import CudaGraphExecutable
@@ -291,6 +291,9 @@ class Compiled(_Stage):
                 f"{self._named(args, kwargs, signature).difference(expected)}. Call the transformed "
                 "function instead (it traces again for new signatures)."
             )
+        if autocast_enabled():
+            with autocast_off():
+                return self.call_flat(leaves)
         return self.call_flat(leaves)
 
     def _named(self, args: Sequence[Any], kwargs: dict[str, Any], signature: Signature) -> Signature:
