@@ -471,3 +471,20 @@ def test_an_add_with_alpha_of_a_matmul_keeps_its_alpha():
         torch.testing.assert_close(params["w"], want_params["w"], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(scaled, want_scaled, rtol=1e-6, atol=1e-6)
         want = sgd({"w": want_params["w"].clone()}, x, y)
+
+
+def test_a_closed_over_tensor_changed_in_place_retraces_and_reads_no_stale_layout():
+    """The generated code has the traced sizes and dtype built in (size asserts off)."""
+    s = torch.ones(4)
+
+    def f(x):
+        return x * s
+
+    step = sg.static(sg.fuse(f))
+    x = torch.randn(4)
+    torch.testing.assert_close(step(x), f(x))
+    s.data = torch.arange(4, dtype=torch.float64)
+    with pytest.warns(sg.RetraceWarning, match=re.escape("closed over by the step, changed: f32[4] -> f64[4]")):
+        out = step(x)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, f(x))

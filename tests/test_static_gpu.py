@@ -333,6 +333,23 @@ def test_a_region_the_step_turns_autocast_off_in_stays_fp32_in_the_graph(fuse):
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["eager-kernels", "fuse"])
+def test_a_closed_over_tensor_given_new_memory_is_read_there_not_at_the_captured_address(fuse):
+    s = torch.ones(4, device="cuda")
+
+    def f(x):
+        return x * s
+
+    step = sg.static(sg.fuse(f) if fuse else f)
+    x = torch.randn(4, device="cuda")
+    torch.testing.assert_close(step(x), f(x))
+    s.data = torch.full((4,), 3.0, device="cuda")  # same metadata, other memory: the graph read the old one
+    with pytest.warns(sg.RetraceWarning, match="now holds other memory"):
+        out = step(x)
+    torch.testing.assert_close(out, f(x))
+    torch.testing.assert_close(step(x), f(x))
+
+
 def test_inputs_aliasing_a_donated_input_give_the_eager_result_under_replay():
     def step(params, ema):
         new = {"w": params["w"] - 0.1}

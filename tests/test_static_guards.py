@@ -278,3 +278,55 @@ def test_an_autocast_region_of_the_step_holds_under_the_callers_autocast(fn):
         lowered = sg.static(fn).lower(a, b)  # the stages, called under autocast themselves
         out = lowered.compile()(a, b)
     assert out.dtype == expected.dtype and torch.equal(out, expected)
+
+
+def _closed_over_changes():
+    """Ways to change a closed-over tensor in place that eager follows."""
+    return {
+        "resize": lambda s: s.resize_(8).fill_(0.5),
+        "new storage of another dtype": lambda s: setattr(s, "data", torch.arange(4, dtype=torch.float64)),
+        "new storage of the same metadata": lambda s: setattr(s, "data", torch.full((4,), 3.0)),
+        "set_ to one element": lambda s: s.set_(torch.full((1,), 3.0)),
+        "strides": lambda s: s.as_strided_((4,), (2,)) if s.untyped_storage().nbytes() >= 32 else None,
+    }
+
+
+@pytest.mark.parametrize("change", list(_closed_over_changes()))
+def test_a_closed_over_tensor_changed_in_place_retraces_and_matches_eager(change):
+    s = torch.arange(8.0)[:4].clone()
+    if change == "strides":
+        s = torch.arange(8.0)
+        s.as_strided_((4,), (1,))
+
+    def f(x):
+        return x * s.sum() / s.numel() + s[:1]
+
+    step = sg.static(f)
+    x = torch.randn(4)
+    torch.testing.assert_close(step(x), f(x))
+    _closed_over_changes()[change](s)
+    with pytest.warns(sg.RetraceWarning, match="closed over by the step"):
+        out = step(x)
+    torch.testing.assert_close(out, f(x))
+    assert out.dtype == f(x).dtype
+    torch.testing.assert_close(step(x), f(x))
+
+
+def test_a_compiled_stage_refuses_a_closed_over_tensor_changed_since():
+    s = torch.ones(4)
+    compiled = sg.static(lambda x: x * s).lower(torch.ones(4)).compile()
+    s.resize_(1)
+    with pytest.raises(sg.ArgumentTypeError, match=re.escape("closed over by the step, changed: f32[4] -> f32[1]")):
+        compiled(torch.ones(4))
+
+
+def test_a_frozen_module_closed_over_and_converted_to_double_retraces():
+    torch.manual_seed(0)
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    step = sg.static(lambda x: frozen(x).sum(), retrace="error")
+    x = torch.randn(2, 4)
+    step(x)
+    frozen.double()
+    with pytest.raises(sg.RetraceError, match=re.escape("closed over by the step, changed: f32[4, 4] -> f64[4, 4]")):
+        step(x)
+    assert sg.static(lambda x: frozen(x).sum())(x.double()).dtype == torch.float64

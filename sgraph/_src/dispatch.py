@@ -44,6 +44,7 @@ class Entry:
         self._take = _taker(tensor_at)
         tensors = self._take(leaves)
         self.check = TensorCheck(tensors)
+        self._closure = compiled.closure if compiled.closure.tensors else None
         self._autocast = autocast_enabled()  # part of the signature's state: the same on every call run here
 
     def accepts(self, leaves: Sequence[Any], state: GlobalState) -> Sequence[torch.Tensor] | None:
@@ -57,6 +58,8 @@ class Entry:
         if not self.check.holds(tensors):
             return None
         if self.modules.modules and not self.modules.hold():
+            return None
+        if self._closure is not None and not self._closure.holds():
             return None
         return tensors
 
@@ -101,7 +104,8 @@ def nearest(signature: Signature, entries: Sequence[Entry]) -> str:
         )
         distance = now.distance(entry.signature)
         if best is None or distance < best:
-            best, text = distance, now.difference(entry.signature)
+            change = entry.compiled.closure.change() if distance == 0 else None
+            best, text = distance, change or now.difference(entry.signature)
     return text
 
 

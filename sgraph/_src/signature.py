@@ -28,7 +28,7 @@ from .text import describe_tensor
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = ["Signature", "TensorCheck", "leaf_key", "static_key", "signature_of"]
+__all__ = ["ClosureCheck", "Signature", "TensorCheck", "leaf_key", "static_key", "signature_of"]
 
 
 @dataclass(frozen=True)
@@ -159,6 +159,44 @@ class TensorCheck:
         return len(tensors) == len(self._keys) and all(
             isinstance(t, torch.Tensor) and leaf_key(t) == k for t, k in zip(tensors, self._keys)
         )
+
+
+class ClosureCheck:
+    """Checks that the tensors a step closes over keep what it was traced for: their
+    metadata (as :class:`TensorCheck`), and their memory, which a CUDA graph reads at
+    the address it captured (``t.data = ...``, ``t.set_(...)``, ``t.resize_(...)`` and
+    ``module.double()`` change one in place, where eager follows).
+
+    Args:
+        described: each closed-over tensor with how messages name it.
+    """
+
+    def __init__(self, described: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self._names = [name for name, _ in described]
+        self.tensors = [t for _, t in described]
+        self._keys = [leaf_key(t) for t in self.tensors]
+        self._check = TensorCheck(self.tensors) if self.tensors else None
+        self._addresses = [_address(t) for t in self.tensors]
+
+    def holds(self) -> bool:
+        if self._check is None:
+            return True
+        return self._check.holds(self.tensors) and [_address(t) for t in self.tensors] == self._addresses
+
+    def change(self) -> str | None:
+        """What changed, in one line (None if nothing did)."""
+        for name, t, key, address in zip(self._names, self.tensors, self._keys, self._addresses):
+            now = leaf_key(t)
+            if now != key:
+                return f"{name}, closed over by the step, changed: {_describe(key, now)} -> {_describe(now, key)}"
+            if _address(t) != address:
+                return f"{name}, closed over by the step, now holds other memory (its storage was replaced)"
+        return None
+
+
+def _address(t: torch.Tensor) -> int:
+    """``t``'s data pointer (0 for a tensor subclass, whose memory is its own business)."""
+    return t.data_ptr() if type(t) in (torch.Tensor, torch.nn.Parameter) else 0
 
 
 def _native_check(tensors: Sequence[torch.Tensor]) -> Any:

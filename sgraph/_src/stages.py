@@ -31,7 +31,7 @@ from .passes.pipeline import lower as run_passes
 from .passes.shard.cost import CostAnalysis, Links, cost_analysis
 from .program import Program, compute_ops, tensor_constants
 from .runtime.eager import EagerExecutable
-from .signature import Signature, signature_of
+from .signature import ClosureCheck, Signature, signature_of
 from .source import SOURCE_KEY, where
 from .text import describe_tensor
 from .trace import ArgLayout
@@ -274,6 +274,7 @@ class Compiled(_Stage):
         self._plain_outputs = all(o.graph_index == i for i, o in enumerate(outputs))
         self._output_plan = [(o.graph_index, o.value) for o in outputs]
         self.alias = _alias_guard(self.program, traced)
+        self.closure = ClosureCheck(_constants(traced.program))
         self._sharded = any(leaf.dist is not None for leaf in (*self.program.inputs, *outputs))
         self._out_dists = [o.dist for o in outputs if o.is_tensor]
         self._out_specs: list[Any] = [None] * len(self._out_dists)
@@ -290,6 +291,11 @@ class Compiled(_Stage):
                 f"{self.program.name}: this compiled step was made for other arguments: "
                 f"{self._named(args, kwargs, signature).difference(expected)}. Call the transformed "
                 "function instead (it traces again for new signatures)."
+            )
+        if not self.closure.holds():
+            raise ArgumentTypeError(
+                f"{self.program.name}: this compiled step was made for other closed-over tensors: "
+                f"{self.closure.change()}. Call the transformed function instead (it traces again)."
             )
         if autocast_enabled():
             with autocast_off():
