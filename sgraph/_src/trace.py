@@ -45,6 +45,7 @@ from .dtensors import (
     rebuild,
 )
 from .errors import CaptureError
+from .escaped import find_escaped
 from .hidden import find_hidden_tensor
 from .patterns import GeluMlpMode, LinearCrossEntropyMode
 from .program import (
@@ -201,6 +202,7 @@ def trace(
         if functional is not autograd_graph:
             _return_written_inputs(autograd_graph, functional)
     _check_outputs(api, result["spec"], result["leaves"])
+    _check_nothing_escaped(api, fn, (*bound, *modules))
     outputs = _output_infos(result["spec"], result["leaves"], result["dists"], functional)
     program = Program(
         name=api,
@@ -295,6 +297,20 @@ def _check_arguments_kept(
         "change, where eager makes it on every call. Build new containers and return them instead "
         "(state = {**state, 'step': step + 1})."
     )
+
+
+def _check_nothing_escaped(api: str, fn: Callable[..., Any], reached: Sequence[Any]) -> None:
+    """Raise if the step left a traced tensor where the user's code can reach it (see
+    :mod:`escaped`): eager would store a real tensor there on every call."""
+    place = find_escaped(fn, tuple(reached))
+    if place is not None:
+        raise CaptureError(
+            f"{api}: the step stores a tensor it computes outside its outputs, in {place}. A compiled "
+            "step runs your Python once, when it is traced, so what is stored there is a placeholder of "
+            "the trace, without values, where eager stores a new tensor on every call. Return the tensor "
+            "from the step instead (as a metric), and keep it, or a list of them, outside the step; a cache "
+            "a module fills in its forward (rotary tables) can be computed before the first call."
+        )
 
 
 def _kept(a: Any, b: Any) -> bool:
