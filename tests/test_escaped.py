@@ -70,7 +70,8 @@ def a_module_attribute():
 )
 def test_a_tensor_stored_outside_the_outputs_raises_naming_where(make, place):
     step = make()
-    with pytest.raises(sg.CaptureError, match=re.escape(f"stores a tensor it computes outside its outputs, in {place}")):
+    text = f"stores a tensor it computes outside its outputs, in {place}"
+    with pytest.raises(sg.CaptureError, match=re.escape(text)):
         sg.static(step)(torch.ones(3))
     HISTORY.clear()
 
