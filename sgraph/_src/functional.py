@@ -36,6 +36,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from .errors import ArgumentError, ArgumentTypeError, TreeStructureError, UnsupportedError
 from .guards import is_tracing, note_module
 from .source import module_scopes
+from .tree import flatten_with_paths
 
 __all__ = ["functional", "Apply", "ArgumentError", "ArgumentTypeError", "UnsupportedError"]
 
@@ -144,6 +145,8 @@ class Apply:
         _check_tensors(buffers, spec.buffer_shapes, arg="buffers", what="buffer")
         norm_buffers = _norm_buffers(spec.norm_layers, buffers)
         fsdp = bool(spec.fsdp_states)
+        if fsdp:
+            _check_local_inputs(self._module, args, kwargs)
         frozen = _gathered({k: buffers[k] for k in spec.frozen}, fsdp=fsdp)
         kept = {k: b for k, b in buffers.items() if k not in frozen}
         cloned = frozenset(kept) if spec.return_buffers else frozenset(k for ks in norm_buffers for k in ks)
@@ -451,6 +454,23 @@ def _reinsert(d: dict[int, Any], order: list[int], popped: dict[int, Any]) -> No
         elif key in current:
             d[key] = current.pop(key)
     d.update(current)
+
+
+def _check_local_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse a DTensor among the inputs of an FSDP2 module's apply: FSDP2 runs each
+    rank's forward on its own plain batch (``sg.shard`` makes the batch a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    paths, leaves, _ = flatten_with_paths(list(args), prefix="args")
+    more, others, _ = flatten_with_paths(kwargs, prefix="kwargs")
+    for where, leaf in zip([*paths, *more], [*leaves, *others]):
+        if isinstance(leaf, DTensor):
+            raise UnsupportedError(
+                f"apply of the FSDP2 (fully_shard) module {type(module).__name__} got a DTensor input at {where}: "
+                "FSDP2 runs each rank's forward on its own plain batch, and its parameters carry their "
+                "placements. Call the step without sg.shard (sg.static alone adopts an FSDP2 model), or "
+                "build the model without fully_shard and give sg.shard a spec (params=sg.fsdp('dp'))."
+            )
 
 
 def _gathered(params: Mapping[str, Tensor], *, fsdp: bool) -> dict[str, Tensor]:

@@ -231,6 +231,18 @@ def frozen_params_are_gathered_in_the_same_order_on_every_rank(rank: int, mesh) 
 
 
 @_check
+def an_fsdp2_model_inside_sg_shard_is_refused_clearly(rank: int, mesh) -> None:
+    """sg.shard makes the batch a DTensor; FSDP2's forward takes each rank's plain batch."""
+    import pytest
+
+    named = sg.mesh(dp=WORLD)
+    apply, params, buffers = sg.functional(_sharded(_reference(), named))
+    step = sg.static(sg.shard(named, batch=sg.P("dp"))(lambda p, batch: apply(p, buffers, batch).sum()))
+    with pytest.raises(sg.UnsupportedError, match=r"FSDP2 \(fully_shard\) module .* got a DTensor input at args\[0\]"):
+        step(params, _batch())
+
+
+@_check
 def fsdp_still_works_after_apply(rank: int, mesh) -> None:
     reference = _reference()
     model = _sharded(reference, mesh)
