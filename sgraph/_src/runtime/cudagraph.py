@@ -162,7 +162,7 @@ class CudaGraphExecutable:
 
     def _capture(self, inputs: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None:
         donated = set(self.donated)
-        self.static_inputs = {i: t.detach().clone() for i, t in enumerate(inputs) if i not in donated}
+        self.static_inputs = {i: _same_layout_copy(t) for i, t in enumerate(inputs) if i not in donated}
         self.static_buffers = list(self.static_inputs.values())
         graph_inputs = [self.static_inputs.get(i, t) for i, t in enumerate(inputs)]
         self.donated_ptrs = [inputs[i].data_ptr() for i in self.donated]
@@ -300,6 +300,20 @@ class _NamingInterpreter(torch.fx.Interpreter):
             "with the host or allocate host memory cannot run inside a graph; rewrite that line "
             "with device-side tensor ops, or pass fallback='eager' to run this step uncaptured."
         )
+
+
+def _same_layout_copy(t: torch.Tensor) -> torch.Tensor:
+    """The graph's buffer for input ``t``, refilled by ``copy_`` on every call, with
+    ``t``'s strides, which generated code has built in: ``clone()`` makes a tensor
+    with gaps (``y[:, ::2]``) contiguous, and code compiled for the traced strides
+    would read it as laid out otherwise. A tensor whose elements share memory (an
+    expanded view) cannot be written by ``copy_``: its buffer is its contiguous clone,
+    which code reading with the traced strides (0 along the expanded dims) reads
+    right, since all the elements it skips hold the values it reads."""
+    if torch._debug_has_internal_overlap(t) != 0:
+        return t.detach().clone()
+    copy = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return copy.copy_(t.detach())
 
 
 def check_devices(program: Program) -> None:
