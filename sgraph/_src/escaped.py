@@ -64,8 +64,7 @@ def _atomic(value: Any) -> bool:
     return (
         value is None
         or isinstance(value, (str, bytes, int, float, complex, bool, type, types.ModuleType, range))
-        or type(value).__module__.startswith(("numpy", "builtins"))
-        and not isinstance(value, (list, tuple, dict, set))
+        or type(value).__module__.startswith("numpy")
     )
 
 

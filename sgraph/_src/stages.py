@@ -273,8 +273,9 @@ class Compiled(_Stage):
         # tensor in graph order (the usual case), else a plan of (graph index, constant).
         self._plain_outputs = all(o.graph_index == i for i, o in enumerate(outputs))
         self._output_plan = [(o.graph_index, o.value) for o in outputs]
-        self.alias = _alias_guard(self.program, traced)
-        self.closure = ClosureCheck(_constants(traced.program))
+        constants = _constants(traced.program)
+        self.alias = _alias_guard(self.program, traced, constants)
+        self.closure = ClosureCheck(constants)
         self._sharded = any(leaf.dist is not None for leaf in (*self.program.inputs, *outputs))
         self._out_dists = [o.dist for o in outputs if o.is_tensor]
         self._out_specs: list[Any] = [None] * len(self._out_dists)
@@ -400,7 +401,7 @@ class Compiled(_Stage):
         return "\n".join(lines)
 
 
-def _alias_guard(program: Program, traced: Traced) -> AliasGuard:
+def _alias_guard(program: Program, traced: Traced, constants: list[tuple[str, torch.Tensor]]) -> AliasGuard:
     """The per-call aliasing check of a program, from the byte extents its signature fixes."""
     keys = [key for key in traced.signature.leaves if key[0] in ("tensor", "dtensor")]
     extents = [extent(key[1], key[4], key[2].itemsize) if key[0] == "tensor" else 0 for key in keys]
@@ -411,7 +412,7 @@ def _alias_guard(program: Program, traced: Traced) -> AliasGuard:
         extents,
         program.donated,
         frozenset(written & program.donated),
-        _constants(traced.program),
+        constants,
     )
 
 
