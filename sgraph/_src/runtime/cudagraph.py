@@ -4,7 +4,8 @@ Buffers:
 - a donated input is used in place: the user's own tensor is the graph's buffer,
   and the graph writes the matching output into it (one multi-tensor copy at the
   end of the graph), so the result holds the very same tensor objects;
-- every other input is copied into a static buffer before each replay;
+- every other input is copied before each replay into a static buffer laid out as it
+  is (the same strides, gaps and shared elements: see :class:`StaticBuffer`);
 - outputs not written into a donated input are copied out after each replay
   (``outputs="copy"``), so what the user holds is never overwritten by a later
   replay; ``outputs="view"`` hands out the graph's own buffers instead.
@@ -22,6 +23,7 @@ threads take turns (the graph's static buffers are shared).
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -29,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..aliasing import extent
 from ..capture import SOURCE_KEY
 from ..errors import CaptureError, FallbackWarning, RetraceWarning, SgraphWarning, StaleBufferError, warn
 from ..options import StaticOptions
@@ -37,7 +40,7 @@ from .eager import copy_lists, write_back
 from .graph_nodes import count_kernels, new_graph
 from .keepalive import kept_with
 
-__all__ = ["CudaGraphExecutable", "check_devices"]
+__all__ = ["CudaGraphExecutable", "StaticBuffer", "check_devices"]
 
 
 class CudaGraphExecutable:
@@ -81,7 +84,7 @@ class CudaGraphExecutable:
             if self.graph is None or self._donated_moved(inputs):
                 return self._run_then_capture(inputs)
             if self.static_inputs:
-                copy_lists(self.static_buffers, [inputs[i] for i in self.static_inputs])
+                copy_lists(self.static_buffers, [source(inputs[i]) for i, source in self.static_sources])
             self.graph.replay()
             return self._outputs(inputs)
 
@@ -162,8 +165,10 @@ class CudaGraphExecutable:
 
     def _capture(self, inputs: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None:
         donated = set(self.donated)
-        self.static_inputs = {i: _same_layout_copy(t) for i, t in enumerate(inputs) if i not in donated}
-        self.static_buffers = list(self.static_inputs.values())
+        buffers = {i: StaticBuffer(t) for i, t in enumerate(inputs) if i not in donated}
+        self.static_inputs = {i: b.view for i, b in buffers.items()}
+        self.static_buffers = [b.filled for b in buffers.values()]
+        self.static_sources = [(i, b.source) for i, b in buffers.items()]
         graph_inputs = [self.static_inputs.get(i, t) for i, t in enumerate(inputs)]
         self.donated_ptrs = [inputs[i].data_ptr() for i in self.donated]
         graph, kept = new_graph()
@@ -302,18 +307,51 @@ class _NamingInterpreter(torch.fx.Interpreter):
         )
 
 
-def _same_layout_copy(t: torch.Tensor) -> torch.Tensor:
-    """The graph's buffer for input ``t``, refilled by ``copy_`` on every call, with
-    ``t``'s strides, which generated code has built in: ``clone()`` makes a tensor
-    with gaps (``y[:, ::2]``) contiguous, and code compiled for the traced strides
-    would read it as laid out otherwise. A tensor whose elements share memory (an
-    expanded view) cannot be written by ``copy_``: its buffer is its contiguous clone,
-    which code reading with the traced strides (0 along the expanded dims) reads
-    right, since all the elements it skips hold the values it reads."""
-    if torch._debug_has_internal_overlap(t) != 0:
-        return t.detach().clone()
-    copy = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-    return copy.copy_(t.detach())
+class StaticBuffer:
+    """The graph's buffer for a non-donated input ``t``, refilled before every replay.
+
+    ``view`` is what the graph reads: new memory with ``t``'s shape and strides, which
+    generated code has built in (code compiled for ``y[:, ::2]`` reads every other
+    element; a contiguous buffer would feed it the wrong ones). ``filled`` is what the
+    refill writes, from ``source(input)``: ``view`` itself, or, for a tensor whose
+    elements may share memory (an expanded view, an overlapping ``as_strided``), which
+    ``copy_`` cannot write, the flat span of memory from its first element to its last,
+    copied whole from the same span of the input (the signature guarantees each call's
+    input the traced strides).
+    """
+
+    def __init__(self, t: torch.Tensor) -> None:
+        t = t.detach()
+        if _elements_are_apart(t):
+            self.view = self.filled = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            self.source = _itself
+        else:
+            span = extent(t.shape, t.stride(), 1)
+            self.filled = torch.empty(span, dtype=t.dtype, device=t.device)
+            self.view = self.filled.as_strided(t.shape, t.stride(), 0)
+            self.source = functools.partial(_span, span=span)
+        self.filled.copy_(self.source(t))
+
+
+def _itself(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _span(t: torch.Tensor, span: int) -> torch.Tensor:
+    return t.detach().as_strided((span,), (1,))
+
+
+def _elements_are_apart(t: torch.Tensor) -> bool:
+    """Whether no two elements of ``t`` can share memory: with its dims ordered by
+    stride, each stride steps past everything the smaller dims reach. (A layout that
+    fails this may still not overlap; it is then copied as a span, which is right for
+    any layout.)"""
+    reach = 0
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if stride <= reach:
+            return False
+        reach += (size - 1) * stride
+    return True
 
 
 def check_devices(program: Program) -> None:
