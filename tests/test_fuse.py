@@ -153,6 +153,65 @@ def test_donated_inputs_exchanging_values_match_eager(name, device):
         mine, ref = got[:2], want[:2]
 
 
+def _lion_per_tensor(lr=1e-3, b1=0.9, b2=0.99, weight_decay=0.1):
+    """Lion written leaf by leaf with plain elementwise ops, as a user might."""
+
+    def init(params):
+        return {k: torch.zeros_like(v) for k, v in params.items()}
+
+    def update(grads, mu, params):
+        updates = {k: -lr * (torch.lerp(mu[k], g, 1 - b1).sign() + weight_decay * params[k]) for k, g in grads.items()}
+        return updates, {k: torch.lerp(mu[k], g, 1 - b2) for k, g in grads.items()}
+
+    return init, update
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("kind", ["sg.optim.lion", "per tensor"])
+def test_lion_reading_its_old_moment_beside_the_new_one_matches_eager_donated(device, kind):
+    """Lion's direction reads the old moment, which the step also overwrites with the new
+    one. On a GPU, Inductor fused the two foreach ops into one kernel that read the
+    moment after the store into it (updates of the wrong sign from the second call on);
+    that write now comes after the generated code. The same written with plain
+    elementwise ops is ordered right by Inductor and keeps its writes in the code."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(18)
+    params = {"w": (torch.randn(16, 24, generator=g) * 0.2).to(device), "b": torch.randn(16, generator=g).to(device)}
+    if kind == "sg.optim.lion":
+        opt = sg.optim.lion(1e-3, weight_decay=0.1)
+        init, update = opt.init, lambda grads, state, params: opt.update(grads, state, params)
+    else:
+        init, update = _lion_per_tensor()
+
+    def step(params, opt_state, batch):
+        x, y = batch
+        loss, grads = sg.value_and_grad(lambda p: F.smooth_l1_loss(F.linear(x, p["w"], p["b"]), y))(params)
+        updates, opt_state = update(grads, opt_state, params)
+        return sg.optim.apply_updates(params, updates), opt_state, loss
+
+    def moments(state):
+        return state.mu if kind == "sg.optim.lion" else state
+
+    fused = sg.static(sg.fuse(step), donate=("params", "opt_state"))
+    mine = ({k: v.clone() for k, v in params.items()}, init(params))
+    want = ({k: v.clone() for k, v in params.items()}, init(params))
+    for call in range(4):
+        batch = (torch.randn(10, 24, generator=g).to(device), torch.randn(10, 16, generator=g).to(device))
+        *want, want_loss = step(*want, batch)
+        *mine, loss = fused(*mine, batch)
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6, msg=f"call {call}")
+        for k in params:
+            torch.testing.assert_close(mine[0][k], want[0][k], rtol=0, atol=1e-6, msg=f"call {call}, {k}")
+            torch.testing.assert_close(
+                moments(mine[1])[k], moments(want[1])[k], rtol=1e-5, atol=1e-7, msg=f"call {call}, mu {k}"
+            )
+    executable = fused.last_compiled.executable
+    executable = getattr(executable, "body", executable)  # under a CUDA graph, the code it captured
+    paths = sorted(fused.last_compiled.program.outputs[o].path for o in executable._late)
+    assert paths == (["result[1].mu['b']", "result[1].mu['w']"] if kind == "sg.optim.lion" else [])
+
+
 def test_stats_count_kernels_before_and_after_fusion(run):
     stats = run["fused"].last_compiled.stats
     assert stats.runtime == "inductor" and stats.calls == 4 and stats.traces == 1

@@ -315,24 +315,60 @@ def _written_after_the_call(aliases: Sequence[tuple[int, int]], values: list, in
     """The aliased outputs whose write into their donated input must wait until the
     compiled graph has run.
 
-    Inductor drops ops it sees as no-ops (a ``clone``, a full view) before it lowers a
-    graph, and protects graph outputs from that, but not the sources of ``copy_``
-    nodes into inputs. A step whose donated ``a`` takes a new value while donated
-    ``b`` takes ``a``'s old one (``return b.sin(), a.clone()``) then wrote the new
-    ``a`` into ``b`` as well: the copy into ``b`` read ``a`` after the copy into ``a``.
-    So wherever a value the graph returns or writes may be, once such ops are
-    dropped, another donated input that the graph writes, that input's write moves
-    out of the graph (a copy after the call; rare: an optimizer's new state is
-    computed from several tensors, not a copy of one). Moving a write changes no value
-    the graph computes, so one pass over the values finds every such write.
+    Two cases. First, Inductor drops ops it sees as no-ops (a ``clone``, a full view)
+    before it lowers a graph, and protects graph outputs from that, but not the
+    sources of ``copy_`` nodes into inputs. A step whose donated ``a`` takes a new
+    value while donated ``b`` takes ``a``'s old one (``return b.sin(), a.clone()``)
+    then wrote the new ``a`` into ``b`` as well: the copy into ``b`` read ``a`` after
+    the copy into ``a``. So wherever a value the graph returns or writes may be, once
+    such ops are dropped, another donated input that the graph writes, that input's
+    write moves out of the graph.
+
+    Second, a donated input whose old value is also read by an op its new value does
+    not depend on: Lion's ``sign(lerp(mu, g, 1 - b1))`` beside ``new_mu = lerp(mu, g,
+    1 - b2)``. Inductor (2.11, on a GPU) fused both into one foreach kernel and let the
+    first read ``mu`` after the store of ``new_mu`` into it, so where the other reader
+    or the new value is a foreach op, the write moves out too. Readers the new value
+    depends on are computed before it in any order Inductor picks (the forward's reads
+    of the params, AdamW's ``p * weight_decay``), and plain elementwise ops are
+    ordered by Inductor's dependencies on mutated buffers (AdamW's ``count + 1``
+    beside the new count; a per-tensor Lion, checked on an H100).
+
+    Moving a write changes no value the graph computes, so one pass over the values
+    finds every such write; it costs a copy after the call.
     """
     writer = {inputs[i]: o for o, i in aliases if values[o] is not inputs[i]}
-    return {
+    late = {
         writer[source]
         for o, value in enumerate(values)
         for source in _copied_from(value)
         if source in writer and writer[source] != o
     }
+    for source, o in writer.items():
+        needed = _ancestors(values[o])
+        others = [reader for reader in source.users if reader.op != "output" and reader not in needed]
+        if others and any(map(_is_foreach, [*others, values[o]])):
+            late.add(o)
+    return late
+
+
+def _is_foreach(node: Any) -> bool:
+    """Whether ``node`` is a foreach op or one of its results."""
+    if isinstance(node, torch.fx.Node) and node.target is operator.getitem:
+        node = node.args[0]
+    return isinstance(node, torch.fx.Node) and getattr(node.target, "__name__", "").startswith("_foreach_")
+
+
+def _ancestors(value: Any) -> set[torch.fx.Node]:
+    """``value`` and every node it is computed from."""
+    found: set[torch.fx.Node] = set()
+    stack = [value] if isinstance(value, torch.fx.Node) else []
+    while stack:
+        node = stack.pop()
+        if node not in found:
+            found.add(node)
+            stack.extend(node.all_input_nodes)
+    return found
 
 
 _PASS_THROUGH = {torch.ops.aten.cat.default, torch.ops.aten.slice_scatter.default, torch.ops.aten.copy.default}
