@@ -257,6 +257,7 @@ def walk(tree: Any, path: tuple = ()):
 
 
 SPECIALS = (float("nan"), float("inf"), float("-inf"), -0.0, 0.0)
+DEVICE = "cpu"  # where the cases' tensors live (drawn on the CPU, from the same seeds, then moved)
 
 
 def make_tensor(shape: tuple, dtype: torch.dtype, layout: str, special: bool, g: torch.Generator) -> torch.Tensor:
@@ -275,16 +276,16 @@ def make_tensor(shape: tuple, dtype: torch.dtype, layout: str, special: bool, g:
 
 def _values(shape: tuple, dtype: torch.dtype, special: bool, g: torch.Generator) -> torch.Tensor:
     if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
+        return torch.randint(0, 2, shape, generator=g).bool().to(DEVICE)
     if dtype == torch.int64:
-        return torch.randint(-4, 5, shape, generator=g)
+        return torch.randint(-4, 5, shape, generator=g).to(DEVICE)
     t = torch.randn(shape, generator=g, dtype=dtype)
     if special and t.numel():
         flat = t.view(-1)
         for _ in range(max(1, t.numel() // 4)):
             i = int(torch.randint(0, t.numel(), (), generator=g))
             flat[i] = SPECIALS[int(torch.randint(0, len(SPECIALS), (), generator=g))]
-    return t
+    return t.to(DEVICE)
 
 
 def storage(t: torch.Tensor) -> int:

@@ -118,11 +118,13 @@ class InputChoices:
                 self.make_alias()
 
     def make_optimizer_args(self) -> None:
-        kind = self.rng.choice(["sgd", "adamw", "adamw_clip"])
+        kind = self.rng.choice(["sgd", "adamw", "adamw_clip", "lion", "nesterov"])
         code = {
             "sgd": "sg.optim.sgd(0.1, momentum=0.9)",
             "adamw": "sg.optim.adamw(1e-2, weight_decay=0.01)",
             "adamw_clip": "sg.optim.chain(sg.optim.clip_by_global_norm(1.0), sg.optim.adamw(1e-2))",
+            "lion": "sg.optim.lion(1e-3, weight_decay=0.1)",
+            "nesterov": "sg.optim.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.01)",
         }[kind]
         opt = eval(code, {"sg": sg})
         p_arg = len(self.args)

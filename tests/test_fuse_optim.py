@@ -227,3 +227,34 @@ def test_bf16_grads_reach_the_update_through_compile_fx_and_under_a_memory_plan(
     for k in params:
         torch.testing.assert_close(got[0][k], want[0][k], rtol=1e-5, atol=1e-6, msg=k)
         torch.testing.assert_close(got[1].mu[k], want[1].mu[k], rtol=1e-5, atol=1e-7, msg=k)
+
+
+def step_reading_the_old_values(params, state, x):  # type: ignore[no-untyped-def]
+    """``step`` that also reads the params and moments it overwrites: norms of the old
+    values beside the update, which must run before the update writes in place."""
+    old = {
+        "params": sum((p * p).sum() for p in params.values()),
+        "mu": sum(m.abs().sum() for m in state.mu.values()),
+        "nu": torch.stack([v.max() for v in state.nu.values()]).max(),
+    }
+    params, state, metrics = step(params, state, x)
+    return params, state, {**metrics, **old}
+
+
+@pytest.mark.parametrize("leaves", [2, kernel.GENERATED_LEAVES + 1], ids=["generated", "op"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_values_read_before_an_in_place_update_are_the_old_ones(device, leaves):
+    g = torch.Generator().manual_seed(6)
+    params = {f"p{i:02d}": torch.randn(4, 3, generator=g).to(device) for i in range(leaves)}
+    xs = [{k: torch.randn(4, 3, generator=g).to(device) for k in params} for _ in range(4)]
+    fused = sg.static(sg.fuse(step_reading_the_old_values), donate=("params", "state"))
+    got, want = (params, OPT.init(params)), ({k: v.clone() for k, v in params.items()}, OPT.init(params))
+    for x in xs:
+        got = fused(*got[:2], x)
+        want = step_reading_the_old_values(*want[:2], x)
+        for name in ("params", "mu", "nu", "norm"):
+            torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-5, atol=0, msg=name)
+    for k in params:
+        torch.testing.assert_close(got[0][k], want[0][k], rtol=1e-5, atol=1e-6, msg=k)
+    op = "torch.ops.sgraph.adamw_.default" in fused.last_compiled.as_text().split("kernels (")[1]
+    assert op == (leaves > kernel.GENERATED_LEAVES)

@@ -41,6 +41,7 @@ import time
 import warnings
 from typing import Any
 
+import fuzz_case
 import pytest
 import torch
 from fuzz_steps import Box, Case, generate, get_path, overlapping, walk
@@ -355,17 +356,19 @@ class CaseRun:
                 raise Mismatch(f"call {call}: input {path}, not donated, was changed:\n  was {before}\n  now {now}")
 
 
-def run_case(seed: int, verbose: bool = True, fuse: bool = False) -> str:
-    """Generate and run case ``seed`` (under sg.fuse too, with ``fuse``); raise
-    AssertionError (with the case's text) on a bug."""
-    case = generate(seed)
+def run_case(seed: int, verbose: bool = True, fuse: bool = False, device: str = "cpu") -> str:
+    """Generate and run case ``seed`` (under sg.fuse too, with ``fuse``) with its tensors
+    on ``device``; raise AssertionError (with the case's text) on a bug."""
+    fuzz_case.DEVICE, was = device, fuzz_case.DEVICE
     try:
+        case = generate(seed)
         outcome = CaseRun(case, fuse).run()
     except Mismatch as e:
-        again = (
-            reproduce(seed).replace(f"run_case({seed})", f"run_case({seed}, fuse=True)") if fuse else reproduce(seed)
-        )
+        options = (", fuse=True" if fuse else "") + (f", device={device!r}" if device != "cpu" else "")
+        again = reproduce(seed).replace(f"run_case({seed})", f"run_case({seed}{options})")
         raise AssertionError(f"seed {seed}: {e}\n{case.describe()}\nreproduce: {again}") from None
+    finally:
+        fuzz_case.DEVICE = was
     if verbose:
         print(f"seed {seed}: {outcome}")
     return outcome
@@ -386,9 +389,11 @@ def test_static_matches_eager_on_random_steps(block):
         pytest.fail(f"{len(failures)} of {BLOCK} seeds fail:\n{heads}\n\nfirst failure in full:\n{failures[0]}")
 
 
-FUSED_SEEDS = [*range(24), 34, 64, 112, 210, 1298]  # 34, 64: inputs aliased at trace time; 112: mixed precision;
-# 210: Inductor dropped a clone and returned a donated input's buffer; 1298: a donated input
-# took another's old value through a view that Inductor dropped, after that one's write
+FUSED_SEEDS = [*range(24), 34, 64, 108, 147, 210, 266, 349, 1298]
+# 34, 64: inputs aliased at trace time; 147: mixed precision (a clipped AdamW over float32
+# and float64 params); 108, 349: Lion donated, 266: Nesterov SGD donated; 210: Inductor
+# dropped a clone and returned a donated input's buffer; 1298: a donated input took
+# another's old value through a view that Inductor dropped, after that one's write
 
 
 @pytest.mark.slow
@@ -404,6 +409,28 @@ def test_fused_matches_eager_on_random_steps():
     if failures:
         heads = "\n".join(f.splitlines()[0] for f in failures)
         pytest.fail(f"{len(failures)} of {len(FUSED_SEEDS)} seeds fail:\n{heads}\n\nfirst in full:\n{failures[0]}")
+
+
+GPU_SEEDS = range(120)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_static_and_fused_match_eager_on_random_steps_on_the_gpu():
+    """The same cases with their tensors on the GPU: sg.static replays a CUDA graph (its
+    buffers for inputs laid out as the inputs), and sg.fuse generates Triton code, whose
+    foreach kernels over donated state order reads and writes otherwise than C++ code."""
+    failures = []
+    for seed, fuse in [*((s, False) for s in GPU_SEEDS), *((s, True) for s in FUSED_SEEDS)]:
+        try:
+            run_case(seed, verbose=False, fuse=fuse, device="cuda")
+        except AssertionError as e:
+            failures.append(str(e))
+        except Exception as e:
+            failures.append(f"seed {seed}{' fused' if fuse else ''}: fuzz harness error {e!r}")
+    if failures:
+        heads = "\n".join(f.splitlines()[0] for f in failures)
+        pytest.fail(f"{len(failures)} cases fail:\n{heads}\n\nfirst in full:\n{failures[0]}")
 
 
 if __name__ == "__main__":
