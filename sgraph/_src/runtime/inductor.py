@@ -345,8 +345,11 @@ def _written_after_the_call(aliases: Sequence[tuple[int, int]], values: list, in
         if source in writer and writer[source] != o
     }
     for source, o in writer.items():
+        readers = [reader for reader in source.users if reader.op != "output"]
+        if not any(map(_is_foreach, [*readers, values[o]])):
+            continue  # no foreach op near this write: the ancestors' walk is not needed
         needed = _ancestors(values[o])
-        others = [reader for reader in source.users if reader.op != "output" and reader not in needed]
+        others = [reader for reader in readers if reader not in needed]
         if others and any(map(_is_foreach, [*others, values[o]])):
             late.add(o)
     return late
