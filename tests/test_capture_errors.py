@@ -163,3 +163,17 @@ def test_warnings_of_the_tracing_thread_still_pass(fake_tensor_log):
 
     sg.static(step)(torch.ones(2))
     assert [r.getMessage() for r in records] == ["a warning"]
+
+
+def test_arguments_on_two_devices_are_named_with_the_fix():
+    def step(params, batch):
+        return (batch["x"] @ params["w"]).sum()
+
+    params = {"w": torch.ones(3, 3, device="meta"), "b": torch.ones(3, device="meta")}
+    batch = {"x": torch.ones(2, 3), "step": torch.tensor(1)}  # a 0-d CPU tensor mixes with any device
+    with pytest.raises(RuntimeError) as caught:
+        sg.static(step)(params, batch)
+    message = str(caught.value)
+    assert re.search(r"\(raised at test_capture_errors.py:\d+ in step \(`return \(batch", message), message
+    assert "arguments are on 2 devices (on meta: params['b'], params['w']; on cpu: batch['x'])" in message, message
+    assert "batch = sg.tree.map(lambda t: t.to('meta'), batch)" in message, message

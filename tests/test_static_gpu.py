@@ -218,6 +218,13 @@ def test_cpu_tensor_inputs_are_refused_for_a_cuda_graph():
         step(torch.ones(2, device="cuda"), torch.tensor(2.0))
 
 
+def test_a_cpu_batch_for_cuda_params_names_the_arguments_and_the_fix():
+    step = sg.static(lambda params, batch: (batch["x"] @ params["w"]).sum())
+    params = {"w": torch.ones(3, 3, device="cuda")}
+    with pytest.raises(RuntimeError, match=r"on cuda:0: params\[.w.\]; on cpu: batch\[.x.\]\)\. Move them"):
+        step(params, {"x": torch.ones(2, 3)})
+
+
 def test_a_host_copy_in_the_step_raises_at_trace_time():
     class HostSync(nn.Module):
         def forward(self, x):

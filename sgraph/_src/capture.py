@@ -536,7 +536,7 @@ def _raise_located(error: Exception, api: str, source: Source | None) -> NoRetur
         ``shape '[-1, 5]' is invalid for input of size 4 (raised at step.py:3 in step
         (`x.view(-1, 5)`) while sg.static(step) traced the step)``, still a RuntimeError.
     """
-    if source is None or getattr(error, _LOCATED_ATTR, False) or not _has_plain_message(error):
+    if source is None or getattr(error, _LOCATED_ATTR, False) or not has_plain_message(error):
         raise error
     eager_type, hint = _eager_type(error)
     message = re.sub(r"\bFakeTensor\b", "Tensor", str(error).rstrip()) + hint
@@ -550,7 +550,7 @@ def _raise_located(error: Exception, api: str, source: Source | None) -> NoRetur
     raise located.with_traceback(error.__traceback__) from None
 
 
-def _has_plain_message(error: Exception) -> bool:
+def has_plain_message(error: Exception) -> bool:
     """Whether the message is ``args[0]`` alone, so it can be extended without changing the type."""
     args = error.args
     plain = len(args) == 1 and isinstance(args[0], str) and str(error) == args[0]

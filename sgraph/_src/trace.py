@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import guards, tree
-from .capture import SOURCE_KEY, GuardMode, Source, SourceMode, constant_write_message
+from .capture import SOURCE_KEY, GuardMode, Source, SourceMode, constant_write_message, has_plain_message
 from .cudnn_rnn import CudnnRnnGuard
 from .dtensors import (
     DistInfo,
@@ -194,7 +195,11 @@ def trace(
     # GuardMode adds the sync and RNG guards. The graph modules made here generate
     # their Python code when first called (only an eager run calls them), not here.
     with _TRACE_LOCK, guards.tracing() as modules, compute_scope(), exact_shifts(), _use_lazy_graph_module(True):
-        autograd_graph = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
+        try:
+            autograd_graph = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
+        except RuntimeError as e:
+            _name_devices(e, inputs)
+            raise
         _check_constant_writes(autograd_graph, api)
         _check_class_targets(autograd_graph, api)
         explicit_running_stats(autograd_graph)
@@ -216,6 +221,31 @@ def trace(
     )
     _check_input_writes(autograd_graph, program)
     return program
+
+
+def _name_devices(error: RuntimeError, inputs: Sequence[LeafInfo]) -> None:
+    """Add to a device-mismatch ``error`` which argument leaves are on which device:
+    torch's message names the devices and the line, not the arguments to move."""
+    if "same device" not in str(error) or not has_plain_message(error):
+        return
+    on: dict[str, list[str]] = {}
+    for info in inputs:
+        if info.device is not None and info.shape:  # a 0-d CPU tensor mixes with any device
+            on.setdefault(str(info.device), []).append(info.path)
+    if len(on) < 2:
+        return
+
+    def listed(paths: list[str]) -> str:
+        return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+
+    where_ = "; ".join(f"on {device}: {listed(paths)}" for device, paths in on.items())
+    most = max(on, key=lambda d: len(on[d]))
+    fewest = min((d for d in on if d != most), key=lambda d: len(on[d]))
+    name = re.split(r"[\[.]", on[fewest][0], maxsplit=1)[0]
+    error.args = (
+        f"{error.args[0]}\nThe step's arguments are on {len(on)} devices ({where_}). Move them to one "
+        f"device before the call, e.g. {name} = sg.tree.map(lambda t: t.to({most!r}), {name}).",
+    )
 
 
 def _input_infos(leaves: list[Any], paths: Sequence[str]) -> tuple[list[LeafInfo], list[torch.Tensor]]:
