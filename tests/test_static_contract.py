@@ -400,6 +400,29 @@ def test_an_in_place_write_into_an_expanded_view_raises():
     assert torch.equal(sg.static(lambda x: x.expand(2, 3) * 2)(torch.ones(3)), torch.full((2, 3), 2.0))
 
 
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda w, x: w.expand(2, *w.shape)[0].copy_(x),
+        lambda w, x: w.unsqueeze(0).expand(3, *w.shape)[1:2].fill_(x[0]),
+        lambda w, x: w[None].expand(2, -1)[0].mul_(x),
+    ],
+    ids=["select-copy", "slice-fill", "unsqueezed-mul"],
+)
+def test_an_in_place_write_into_a_view_of_an_expanded_view_raises(write):
+    """The written view's elements are distinct, but its write goes back through the expand
+    as ``w + sum(new - w)``: 1 is lost beside 1e8 in fp32, and an infinite ``w`` gives NaN."""
+
+    def step(w, x):
+        write(w, x)
+        return w + x
+
+    w, x = torch.tensor([1e8, float("-inf"), 2.0]), torch.tensor([1.0, float("inf"), 3.0])
+    for transform in (sg.static, lambda f, **kw: sg.static(sg.fuse(f), **kw)):
+        with pytest.raises(sg.CaptureError, match=r"writes in place into a view of an expanded view .* at "):
+            transform(step, donate=0)(w.clone(), x)
+
+
 def test_outputs_are_plain_tensors_with_eager_values_even_where_eager_returns_parameters():
     def step(p, x):
         with torch.no_grad():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -201,6 +202,7 @@ def trace(
             _name_devices(e, inputs)
             raise
         _check_constant_writes(autograd_graph, api)
+        _check_writes_through_expands(autograd_graph, api)
         _check_class_targets(autograd_graph, api)
         explicit_running_stats(autograd_graph)
         functional = _functionalize(autograd_graph, tensors, api)
@@ -526,6 +528,44 @@ def _check_constant_writes(gm: torch.fx.GraphModule, api: str) -> None:
             if root.op == "get_attr":
                 shape = tuple(getattr(gm, cast(str, root.target)).shape)
                 raise CaptureError(constant_write_message(api, node.target, shape, node.meta.get(SOURCE_KEY)))
+
+
+def _check_writes_through_expands(gm: torch.fx.GraphModule, api: str) -> None:
+    """Raise for an in-place write into a view taken of an expanded view
+    (``w.expand(2, *w.shape)[0] = x``). The written view's own elements are distinct, so
+    the check made while tracing lets it pass, but torch's functionalization writes it
+    back through the expand as ``w + sum(new - w)``: not ``x`` in floating point, and NaN
+    where ``w`` is infinite."""
+    for node in gm.graph.nodes:
+        for arg in written_args(node):
+            view = _view_base(arg)
+            while view is not None:
+                val = view.meta.get("val")
+                if isinstance(val, torch.Tensor) and any(
+                    size > 1 and stride == 0 for size, stride in zip(val.shape, val.stride())
+                ):
+                    raise CaptureError(
+                        f"{api}: {node.target} writes in place into a view of an expanded view (elements "
+                        f"that share memory){where(node.meta.get(SOURCE_KEY))}, which a compiled step "
+                        "cannot reproduce exactly. Write into the tensor it expands instead (w[...] = x "
+                        "rather than w.expand(2, *w.shape)[0] = x), or compute a new tensor."
+                    )
+                view = _view_base(view)
+
+
+def _view_base(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The tensor ``node`` is a view of (or the input an in-place op returns), else None."""
+    if node.op != "call_function" or not isinstance(node.args[0] if node.args else None, torch.fx.Node):
+        return None
+    target = node.target
+    if target is operator.getitem:
+        return cast(torch.fx.Node, node.args[0])
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.arguments:
+        return None
+    returns, first = target._schema.returns, target._schema.arguments[0]
+    if not returns or returns[0].alias_info is None or first.alias_info is None:
+        return None
+    return cast(torch.fx.Node, node.args[0])
 
 
 _CLASS_TARGET_OPS = (torch.ops.aten.nll_loss_forward.default, torch.ops.aten.nll_loss2d_forward.default)
