@@ -178,6 +178,23 @@ def test_a_value_returned_twice_is_copied_once_views_of_it_too():
     assert targets.count("aten.clone.default") == 4  # again, view, and both split halves
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["static", "static+fuse"])
+def test_an_undonated_input_returned_twice_is_passed_back_donated_without_changing_the_other(fuse):
+    """Eager returns ``x`` at both places; the step keeps the first (the very tensor) and
+    copies the second, so donating the first on the next call leaves the second as it was."""
+
+    def step(p, x):
+        return p + x, x, {"x": x, "row": x[:2]}
+
+    run = sg.static(sg.fuse(step) if fuse else step, donate="p")
+    x = torch.arange(4.0)
+    first = run(torch.ones(4), x)
+    assert first[1] is x and first[2]["x"] is not x
+    second = run(first[1], torch.full((4,), 10.0))  # x given back as donated memory
+    assert torch.equal(second[0], torch.arange(4.0) + 10)
+    assert torch.equal(first[2]["x"], torch.arange(4.0)) and torch.equal(first[2]["row"], torch.arange(2.0))
+
+
 def test_an_output_computed_from_a_view_of_an_undonated_input_never_writes_into_it():
     @sg.static(donate="params")
     def step(params, x):

@@ -172,13 +172,15 @@ def _warn_unused(program: Program, index: int, why: str = "") -> None:
 
 
 def _clone_repeats(gm: torch.fx.GraphModule, values: list, changed: set[Node]) -> None:
-    """Clone each computed output whose memory an earlier output already returned."""
+    """Clone each output whose memory an earlier output already returned: a value
+    computed by the step, or an input it returns unchanged (``return x, {"x": x}``),
+    which the user may pass back as a donated input from either place."""
     seen: set[Node] = set()
     for i, node in enumerate(values):
-        if not isinstance(node, Node) or node.op == "placeholder":
+        if not isinstance(node, Node):
             continue
         root = memory_root(node)
-        if root in seen and root.op != "placeholder":
+        if root in seen:
             _clone_at(gm, values, i, changed)
         else:
             seen.add(root)
