@@ -89,6 +89,7 @@ class Gen(InputChoices, OutputChoices):
         self.opt: tuple[str, int, int] | None = None  # (code, params arg, state arg)
         self.expect_capture_error = False
         self.writes_overlap = False
+        self.expanded: set[str] = set()  # names of expanded views and of views taken of them
 
     # -- the body -----------------------------------------------------------
 
@@ -181,8 +182,8 @@ class Gen(InputChoices, OutputChoices):
         if target is None and operands:
             self.taint_write(operands, inexact)
             dest = self.obj(operands[0])
-            if isinstance(dest, torch.Tensor) and overlapping(dest):
-                self.writes_overlap = True  # into an expanded view: sg.CaptureError is an accepted answer
+            if isinstance(dest, torch.Tensor) and (overlapping(dest) or operands[0] in self.expanded):
+                self.writes_overlap = True  # into an expanded view or a view of one: sg.CaptureError is accepted
         self.written |= written
         self.lines.append(code)
         return True
@@ -194,8 +195,16 @@ class Gen(InputChoices, OutputChoices):
         if inexact and value.is_floating_point() or any(not self.exact(self.obj(o)) for o in operands):
             if value.numel():
                 self.tainted.add(storage(value))
+        if overlapping(value) or value._base is not None and any(self._expanded_source(o, value) for o in operands):
+            self.expanded.add(target)
         self.vals.append(target)
         return True
+
+    def _expanded_source(self, operand: str, view: torch.Tensor) -> bool:
+        source = self.obj(operand)
+        if not isinstance(source, torch.Tensor) or not source.numel() or storage(source) != storage(view):
+            return False
+        return operand in self.expanded or overlapping(source)
 
     def taint_write(self, operands: list[str], inexact: bool) -> None:
         """An in-place line: its first operand's storage is tainted by the others or the op."""

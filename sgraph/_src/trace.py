@@ -538,6 +538,9 @@ def _check_writes_through_expands(gm: torch.fx.GraphModule, api: str) -> None:
     where ``w`` is infinite."""
     for node in gm.graph.nodes:
         for arg in written_args(node):
+            written = arg.meta.get("val")
+            if isinstance(written, torch.Tensor) and written.numel() == 0:
+                continue  # nothing is written
             view = _view_base(arg)
             while view is not None:
                 val = view.meta.get("val")
