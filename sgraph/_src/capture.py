@@ -319,15 +319,8 @@ class SourceMode(TorchDispatchMode):
             if arg.alias_info is None or not arg.alias_info.is_write:
                 continue
             value = args[i] if i < len(args) else kwargs.get(arg.name)
-            if isinstance(value, torch.Tensor) and any(
-                size > 1 and stride == 0 for size, stride in zip(value.shape, value.stride())
-            ):
-                raise CaptureError(
-                    f"{self.api}: {func} writes in place into an expanded view (elements that share "
-                    f"memory){where(self._source())}, which a compiled step cannot reproduce. Write into "
-                    "the tensor it expands instead (w.zero_() rather than w.expand(...).zero_()), or "
-                    "compute a new tensor."
-                )
+            if isinstance(value, torch.Tensor) and is_expanded(value):
+                raise CaptureError(expanded_write_message(self.api, func, self._source(), of_a_view=False))
 
     def _check_constant_write(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
         """A write into a real tensor the step closes over (``counter.add_(1)``,
@@ -548,6 +541,25 @@ def _raise_located(error: Exception, api: str, source: Source | None) -> NoRetur
     if located is error:
         raise error
     raise located.with_traceback(error.__traceback__) from None
+
+
+def expanded_write_message(api: str, op: Any, source: Source | None, *, of_a_view: bool) -> str:
+    """The error for an in-place write into an expanded view (``of_a_view``: into a view
+    taken of one, ``w.expand(2, *w.shape)[0] = x``)."""
+    into = "a view of an expanded view" if of_a_view else "an expanded view"
+    example = "w[...] = x rather than w.expand(2, *w.shape)[0] = x"
+    if not of_a_view:
+        example = "w.zero_() rather than w.expand(...).zero_()"
+    return (
+        f"{api}: {op} writes in place into {into} (elements that share memory){where(source)}, which a "
+        f"compiled step cannot reproduce exactly. Write into the tensor it expands instead ({example}), "
+        "or compute a new tensor."
+    )
+
+
+def is_expanded(t: torch.Tensor) -> bool:
+    """Whether ``t`` repeats elements in memory along some dim (stride 0, size > 1)."""
+    return any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride()))
 
 
 def has_plain_message(error: Exception) -> bool:

@@ -32,7 +32,16 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import guards, tree
-from .capture import SOURCE_KEY, GuardMode, Source, SourceMode, constant_write_message, has_plain_message
+from .capture import (
+    SOURCE_KEY,
+    GuardMode,
+    Source,
+    SourceMode,
+    constant_write_message,
+    expanded_write_message,
+    has_plain_message,
+    is_expanded,
+)
 from .cudnn_rnn import CudnnRnnGuard
 from .dtensors import (
     DistInfo,
@@ -544,14 +553,9 @@ def _check_writes_through_expands(gm: torch.fx.GraphModule, api: str) -> None:
             view = _view_base(arg)
             while view is not None:
                 val = view.meta.get("val")
-                if isinstance(val, torch.Tensor) and any(
-                    size > 1 and stride == 0 for size, stride in zip(val.shape, val.stride())
-                ):
+                if isinstance(val, torch.Tensor) and is_expanded(val):
                     raise CaptureError(
-                        f"{api}: {node.target} writes in place into a view of an expanded view (elements "
-                        f"that share memory){where(node.meta.get(SOURCE_KEY))}, which a compiled step "
-                        "cannot reproduce exactly. Write into the tensor it expands instead (w[...] = x "
-                        "rather than w.expand(2, *w.shape)[0] = x), or compute a new tensor."
+                        expanded_write_message(api, node.target, node.meta.get(SOURCE_KEY), of_a_view=True)
                     )
                 view = _view_base(view)
 
