@@ -389,7 +389,24 @@ def test_static_matches_eager_on_random_steps(block):
         pytest.fail(f"{len(failures)} of {BLOCK} seeds fail:\n{heads}\n\nfirst failure in full:\n{failures[0]}")
 
 
-FUSED_SEEDS = [*range(24), 34, 64, 108, 147, 210, 266, 349, 1298]
+FOUND_SEEDS = [3264, 3460, 3479, 4378, 4607, 6433, 7035]
+# Seeds past the sample that once failed. 3264, 3460, 4378, 4607: an input not donated,
+# returned at two places, and passed back donated from one (the other was overwritten);
+# 3479, 7035: a write into a view of an expanded view (written back inexactly, NaN beside
+# inf); 6433: the same with no elements, which writes nothing and stays allowed.
+
+
+def test_static_matches_eager_on_seeds_that_once_failed():
+    failures = []
+    for seed in FOUND_SEEDS:
+        try:
+            run_case(seed, verbose=False)
+        except AssertionError as e:
+            failures.append(str(e))
+    assert not failures, "\n\n".join(failures)
+
+
+FUSED_SEEDS = [*range(24), 34, 64, 108, 147, 210, 266, 349, 1298, 3479, 4607]
 # 34, 64: inputs aliased at trace time; 147: mixed precision (a clipped AdamW over float32
 # and float64 params); 108, 349: Lion donated, 266: Nesterov SGD donated; 210: Inductor
 # dropped a clone and returned a donated input's buffer; 1298: a donated input took
