@@ -269,22 +269,30 @@ _WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 def _root(node: torch.fx.Node, *, fresh_outputs_are_roots: bool) -> torch.fx.Node:
     while node.op == "call_function":
-        target = node.target
-        if target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
-            if fresh_outputs_are_roots and not _returns_views(node.args[0]):
-                return node
-            node = node.args[0]
-            continue
-        if not isinstance(target, torch._ops.OpOverload) or not target._schema.arguments:
-            break
-        if fresh_outputs_are_roots and target is _WAIT:
+        if fresh_outputs_are_roots and node.target is _WAIT:
             node = cast(torch.fx.Node, node.args[0])  # a collective's wait returns its buffer
             continue
-        returns, first = target._schema.returns, target._schema.arguments[0]
-        if not returns or returns[0].alias_info is None or first.alias_info is None:
+        base = view_base(node)
+        if base is None or fresh_outputs_are_roots and node.target is operator.getitem and not _returns_views(base):
             break
-        node = cast(torch.fx.Node, node.args[0])
+        node = base
     return node
+
+
+def view_base(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The tensor ``node`` is a view of (or the input an in-place op returns, or the op
+    whose outputs a ``getitem`` picks from), else None."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    target = node.target
+    if target is operator.getitem:
+        return node.args[0]
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.arguments:
+        return None
+    returns, first = target._schema.returns, target._schema.arguments[0]
+    if not returns or returns[0].alias_info is None or first.alias_info is None:
+        return None
+    return node.args[0]
 
 
 def _returns_views(node: torch.fx.Node) -> bool:

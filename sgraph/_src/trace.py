@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import operator
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -67,6 +66,7 @@ from .program import (
     placeholders,
     returned,
     tensor_constants,
+    view_base,
     written_args,
 )
 from .running_stats import explicit_running_stats, hidden_written_args
@@ -550,29 +550,14 @@ def _check_writes_through_expands(gm: torch.fx.GraphModule, api: str) -> None:
             written = arg.meta.get("val")
             if isinstance(written, torch.Tensor) and written.numel() == 0:
                 continue  # nothing is written
-            view = _view_base(arg)
+            view = view_base(arg)
             while view is not None:
                 val = view.meta.get("val")
                 if isinstance(val, torch.Tensor) and is_expanded(val):
                     raise CaptureError(
                         expanded_write_message(api, node.target, node.meta.get(SOURCE_KEY), of_a_view=True)
                     )
-                view = _view_base(view)
-
-
-def _view_base(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The tensor ``node`` is a view of (or the input an in-place op returns), else None."""
-    if node.op != "call_function" or not isinstance(node.args[0] if node.args else None, torch.fx.Node):
-        return None
-    target = node.target
-    if target is operator.getitem:
-        return cast(torch.fx.Node, node.args[0])
-    if not isinstance(target, torch._ops.OpOverload) or not target._schema.arguments:
-        return None
-    returns, first = target._schema.returns, target._schema.arguments[0]
-    if not returns or returns[0].alias_info is None or first.alias_info is None:
-        return None
-    return cast(torch.fx.Node, node.args[0])
+                view = view_base(view)
 
 
 _CLASS_TARGET_OPS = (torch.ops.aten.nll_loss_forward.default, torch.ops.aten.nll_loss2d_forward.default)
