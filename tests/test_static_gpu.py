@@ -270,6 +270,25 @@ def test_a_capture_failure_falls_back_when_asked():
     assert step.last_compiled.executable.uncaptured
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["static", "static+fuse"])
+def test_a_gapped_input_run_uncaptured_reads_a_dense_copy(fuse):
+    """The program (and its generated code) reads a gapped input densely: the first
+    call's eager run and every uncaptured one copy it so (read as they are, the
+    generated code would take other elements)."""
+
+    def step(x):
+        return host_sync(x.sum(1) * 3 + 1)
+
+    fn = sg.static(sg.fuse(step) if fuse else step, fallback="eager")
+    bigs = [torch.randn(64, 256, device="cuda") for _ in range(3)]
+    with pytest.warns(sg.FallbackWarning, match="uncaptured"):
+        first = fn(bigs[0][:, 8:12])
+    torch.testing.assert_close(first, step(bigs[0][:, 8:12]), rtol=1e-6, atol=1e-5)
+    for big in bigs[1:]:
+        torch.testing.assert_close(fn(big[:, 8:12]), step(big[:, 8:12]), rtol=1e-6, atol=1e-5)
+    assert "dense_inputs" in fn.last_compiled.program.passes and fn.last_compiled.executable.uncaptured
+
+
 def test_a_capture_failure_leaves_stream_capture_mode_and_rng_as_they_were():
     stream = torch.cuda.current_stream()
     step = sg.static(lambda x: host_sync(x + torch.rand_like(x)))
@@ -287,6 +306,39 @@ def test_a_capture_failure_leaves_stream_capture_mode_and_rng_as_they_were():
     for _ in range(3):
         out = again(torch.ones(4, device="cuda"))
     assert torch.equal(out, torch.full((4,), 3.0, device="cuda")) and again.last_compiled.executable.captures == 1
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["static", "static+fuse"])
+def test_a_gapped_input_gets_a_dense_graph_buffer_and_matches_eager(fuse):
+    """16 columns of a 4096-column batch: the graph's buffer holds those (256 KiB), not
+    the view's memory extent (64 MiB), and the step matches eager over calls with new
+    values, a returned view of the input included."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def step(params, batch):
+        def loss_fn(p):
+            return ((batch["x"] @ p["w"]).tanh() - batch["y"][:, None]).pow(2).mean()
+
+        loss, grads = sg.value_and_grad(loss_fn)(params)
+        return sg.tree.map(lambda p, g: p - 0.1 * g, params, grads), {"loss": loss, "x0": batch["x"][0]}
+
+    params = {"w": torch.randn(16, 8, device="cuda", generator=g) * 0.3}
+    fn = sg.static(sg.fuse(step) if fuse else step, donate=("params",))
+    mine, want = {"w": params["w"].clone()}, {"w": params["w"].clone()}
+    labels = torch.randn(4096, 3, device="cuda", generator=g)
+    for i in range(3):
+        feats = torch.randn(4096, 4096, device="cuda", generator=g)
+        batch = {"x": feats[:, 100:116], "y": labels[:, i]}
+        mine, metrics = fn(mine, batch)
+        want, expected = step(want, batch)
+        torch.testing.assert_close(metrics["loss"], expected["loss"], rtol=1e-5, atol=1e-6)
+        assert torch.equal(metrics["x0"], feats[0, 100:116])
+        torch.testing.assert_close(mine["w"], want["w"], rtol=1e-5, atol=1e-6)
+    compiled = fn.last_compiled
+    assert "dense_inputs" in compiled.program.passes and compiled.executable.captures == 1
+    held = sum(b.untyped_storage().nbytes() for b in compiled.executable.static_buffers)
+    assert held == 4096 * 16 * 4 + 4096 * 4, held  # the dense x, and y's one column
 
 
 def test_a_donated_result_returned_again_as_a_metric_survives_the_next_replay():

@@ -28,6 +28,7 @@ from .options import Options
 from .passes.memory.analysis import MemoryAnalysis, memory_analysis
 from .passes.memory.plan import MemoryPlan
 from .passes.pipeline import lower as run_passes
+from .passes.pipeline import replays_as_graph
 from .passes.shard.cost import CostAnalysis, Links, cost_analysis
 from .program import Program, compute_ops, tensor_constants
 from .runtime.eager import EagerExecutable
@@ -233,8 +234,7 @@ class Lowered(_Stage):
         """An executable for this Program: its ATen ops run eagerly, or under ``sg.fuse``
         generated kernels; under ``sg.static`` on a GPU, either replays as one CUDA graph."""
         options = self.traced.options
-        on_cuda = any(leaf.device is not None and leaf.device.type == "cuda" for leaf in self.program.tensor_inputs)
-        graph = on_cuda and options.static is not None
+        graph = replays_as_graph(self.program, options)
         if graph:
             from .runtime.cudagraph import check_devices
 

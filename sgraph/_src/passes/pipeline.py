@@ -8,8 +8,9 @@ rank elided, parameters gathered again for the backward, small collectives bucke
 issues moved up and waits down to overlap compute), memory planning (optimizer updates
 scheduled as gradients finish where that lowers the predicted peak, then
 rematerialization), then donation, which must see the final outputs, then reinplacing,
-which makes the graph write donated outputs straight into their inputs and so must
-come last.
+which makes the graph write donated outputs straight into their inputs. Last, for a
+step that replays as a CUDA graph, gapped inputs the graph copies are given dense
+layouts (a change of strides alone, which no earlier pass should see).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..options import Options
 from ..program import Program
 from .cleanup import cleanup
 from .conv_layout import channels_last
+from .dense_inputs import dense_inputs
 from .donation import donation
 from .grad_casts import grad_casts
 from .memory.analysis import memory_analysis
@@ -38,7 +40,7 @@ from .shard.regather import regather
 from .shard.trivial import elide_trivial
 from .simplify import simplify
 
-__all__ = ["lower"]
+__all__ = ["lower", "replays_as_graph"]
 
 
 def lower(program: Program, options: Options) -> Program:
@@ -63,7 +65,14 @@ def lower(program: Program, options: Options) -> Program:
     if options.memory is not None:
         program = _planned(program, options)
     program = donation(program, in_place=True)
-    return reinplace(program, in_place=True, aten=options.fuse is None)
+    program = reinplace(program, in_place=True, aten=options.fuse is None)
+    return dense_inputs(program) if replays_as_graph(program, options) else program
+
+
+def replays_as_graph(program: Program, options: Options) -> bool:
+    """Whether the compiled step replays as a CUDA graph: ``sg.static`` over CUDA inputs."""
+    cuda = any(leaf.device is not None and leaf.device.type == "cuda" for leaf in program.tensor_inputs)
+    return cuda and options.static is not None
 
 
 def _communication(program: Program, options: Options) -> Program:

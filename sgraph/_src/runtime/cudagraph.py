@@ -4,8 +4,10 @@ Buffers:
 - a donated input is used in place: the user's own tensor is the graph's buffer,
   and the graph writes the matching output into it (one multi-tensor copy at the
   end of the graph), so the result holds the very same tensor objects;
-- every other input is copied before each replay into a static buffer laid out as it
-  is (the same strides, gaps and shared elements: see :class:`StaticBuffer`);
+- every other input is copied before each replay into a static buffer laid out as
+  the program reads it: as the input is (the same strides and shared elements: see
+  :class:`StaticBuffer`), except that a gapped input gets a dense buffer (the program
+  was given a dense layout for it, ``passes/dense_inputs.py``);
 - outputs not written into a donated input are copied out after each replay
   (``outputs="copy"``), so what the user holds is never overwritten by a later
   replay; ``outputs="view"`` hands out the graph's own buffers instead.
@@ -40,7 +42,7 @@ from .eager import copy_lists, write_back
 from .graph_nodes import count_kernels, new_graph
 from .keepalive import kept_with
 
-__all__ = ["CudaGraphExecutable", "StaticBuffer", "check_devices"]
+__all__ = ["CudaGraphExecutable", "StaticBuffer", "check_devices", "relaid"]
 
 
 class CudaGraphExecutable:
@@ -68,6 +70,8 @@ class CudaGraphExecutable:
         kept = self.aliased_outputs | set(self.placeholder_outputs)
         count = sum(leaf.is_tensor for leaf in program.outputs)
         self.copied_outputs = [] if options.outputs == "view" else [i for i in range(count) if i not in kept]
+        # How the program reads each input (a pass may have laid a gapped one out densely).
+        self.layouts = [n.meta.get("val") for n in placeholders(program.graph)]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.kept_alive: list[Any] = []  # replaced with the graph at each capture
         self.uncaptured = False
@@ -145,6 +149,7 @@ class CudaGraphExecutable:
 
     def _run_eagerly(self, inputs: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> list[torch.Tensor]:
         with torch.no_grad(), torch.cuda.stream(stream):
+            inputs = [t if i in self.donated else relaid(t, self.layouts[i]) for i, t in enumerate(inputs)]
             if self.body is not None:
                 return list(self.body(inputs))
             results = list(self.graph_module(*inputs))
@@ -165,7 +170,7 @@ class CudaGraphExecutable:
 
     def _capture(self, inputs: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None:
         donated = set(self.donated)
-        buffers = {i: StaticBuffer(t) for i, t in enumerate(inputs) if i not in donated}
+        buffers = {i: StaticBuffer(t, self.layouts[i]) for i, t in enumerate(inputs) if i not in donated}
         self.static_inputs = {i: b.view for i, b in buffers.items()}
         self.static_buffers = [b.filled for b in buffers.values()]
         self.static_sources = [(i, b.source) for i, b in buffers.items()]
@@ -310,19 +315,24 @@ class _NamingInterpreter(torch.fx.Interpreter):
 class StaticBuffer:
     """The graph's buffer for a non-donated input ``t``, refilled before every replay.
 
-    ``view`` is what the graph reads: new memory with ``t``'s shape and strides, which
-    generated code has built in (code compiled for ``y[:, ::2]`` reads every other
-    element; a contiguous buffer would feed it the wrong ones). ``filled`` is what the
-    refill writes, from ``source(input)``: ``view`` itself, or, for a tensor whose
+    ``view`` is what the graph reads: new memory with the strides the program reads,
+    which generated code has built in (code compiled for ``y[:, ::2]`` reads every
+    other element; a contiguous buffer would feed it the wrong ones). Those are
+    ``layout``'s where it is laid out otherwise than ``t`` (a dense layout for a
+    gapped input, ``passes/dense_inputs.py``), else ``t``'s own. ``filled`` is what
+    the refill writes, from ``source(input)``: ``view`` itself, or, for a tensor whose
     elements may share memory (an expanded view, an overlapping ``as_strided``), which
     ``copy_`` cannot write, the flat span of memory from its first element to its last,
     copied whole from the same span of the input (the signature guarantees each call's
     input the traced strides).
     """
 
-    def __init__(self, t: torch.Tensor) -> None:
+    def __init__(self, t: torch.Tensor, layout: Any = None) -> None:
         t = t.detach()
-        if _elements_are_apart(t):
+        if _laid_out_otherwise(t, layout):
+            self.view = self.filled = torch.empty_strided(t.shape, layout.stride(), dtype=t.dtype, device=t.device)
+            self.source = _itself
+        elif _elements_are_apart(t):
             self.view = self.filled = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
             self.source = _itself
         else:
@@ -331,6 +341,22 @@ class StaticBuffer:
             self.view = self.filled.as_strided(t.shape, t.stride(), 0)
             self.source = functools.partial(_span, span=span)
         self.filled.copy_(self.source(t))
+
+
+def relaid(t: torch.Tensor, layout: Any) -> torch.Tensor:
+    """``t``, or a copy of it with ``layout``'s strides where the program reads it so."""
+    if not _laid_out_otherwise(t, layout):
+        return t
+    copy = torch.empty_strided(t.shape, layout.stride(), dtype=t.dtype, device=t.device)
+    return copy.copy_(t.detach())
+
+
+def _laid_out_otherwise(t: torch.Tensor, layout: Any) -> bool:
+    """Whether ``layout`` (a placeholder's value) has strides other than ``t``'s, in a
+    dimension of more than one element."""
+    if not isinstance(layout, torch.Tensor) or layout.shape != t.shape:
+        return False
+    return any(n > 1 and a != b for n, a, b in zip(t.shape, t.stride(), layout.stride()))
 
 
 def _itself(t: torch.Tensor) -> torch.Tensor:
