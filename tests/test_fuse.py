@@ -547,3 +547,21 @@ def test_a_closed_over_tensor_changed_in_place_retraces_and_reads_no_stale_layou
         out = step(x)
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, f(x))
+
+
+def test_a_float_times_an_integer_zero_keeps_nan_infinity_and_negative_zero():
+    """Inductor's constant folding took ``x * 0`` and ``x * False`` for zeros; eagerly NaN
+    and infinity times zero are NaN and a negative value times zero is -0 (the fuzz,
+    seed 4306: an auxiliary loss switched off by a flag hid a NaN)."""
+
+    def f(x, flag, n):
+        return x * flag, x * 0, n * 0, x.sum() * False, x.clone().mul_(0)
+
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), -2.0, 3.0])
+    n = torch.arange(5)
+    want = f(x, False, n)
+    got = sg.fuse(f)(x, False, n)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, equal_nan=True, rtol=0, atol=0)
+        assert torch.equal(torch.signbit(g), torch.signbit(w))  # -0 where eager has -0

@@ -406,11 +406,12 @@ def test_static_matches_eager_on_seeds_that_once_failed():
     assert not failures, "\n\n".join(failures)
 
 
-FUSED_SEEDS = [*range(24), 34, 64, 108, 147, 210, 266, 349, 1298, 3479, 4607]
+FUSED_SEEDS = [*range(24), 34, 64, 108, 147, 210, 266, 349, 1298, 3479, 4306, 4607]
 # 34, 64: inputs aliased at trace time; 147: mixed precision (a clipped AdamW over float32
 # and float64 params); 108, 349: Lion donated, 266: Nesterov SGD donated; 210: Inductor
 # dropped a clone and returned a donated input's buffer; 1298: a donated input took
-# another's old value through a view that Inductor dropped, after that one's write
+# another's old value through a view that Inductor dropped, after that one's write;
+# 4306: Inductor folded a NaN times an integer zero to zero
 
 
 @pytest.mark.slow
