@@ -236,8 +236,10 @@ def trace(
 
 def _name_devices(error: RuntimeError, inputs: Sequence[LeafInfo]) -> None:
     """Add to a device-mismatch ``error`` which argument leaves are on which device:
-    torch's message names the devices and the line, not the arguments to move."""
-    if "same device" not in str(error) or not has_plain_message(error):
+    torch's message names the devices and the line, not the arguments to move (eager
+    kernels say "same device"; fake tensors, tracing CUDA params, "different devices")."""
+    mismatch = any(words in str(error) for words in ("same device", "different devices"))
+    if not mismatch or not has_plain_message(error):
         return
     on: dict[str, list[str]] = {}
     for info in inputs:
