@@ -309,11 +309,11 @@ def test_a_capture_failure_leaves_stream_capture_mode_and_rng_as_they_were():
 
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["static", "static+fuse"])
-def test_a_gapped_input_gets_a_dense_graph_buffer_and_matches_eager(fuse):
+def test_a_gapped_input_gets_a_dense_graph_buffer_and_matches_eager(fuse, monkeypatch):
     """16 columns of a 4096-column batch: the graph's buffer holds those (256 KiB), not
     the view's memory extent (64 MiB), and the step matches eager over calls with new
     values, a returned view of the input included."""
-    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def step(params, batch):

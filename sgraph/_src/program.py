@@ -27,6 +27,7 @@ __all__ = [
     "Program",
     "alias_root",
     "compute_ops",
+    "fake_mode",
     "graph_module",
     "memory_root",
     "readers",
@@ -320,6 +321,14 @@ def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
 def placeholders(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     """The graph's inputs, in order (placeholder ``i`` is tensor input ``i``)."""
     return [n for n in graph.nodes if n.op == "placeholder"]
+
+
+def fake_mode(graph: torch.fx.Graph) -> Any:
+    """The fake mode of ``graph``'s placeholder values (``None`` where it has none)."""
+    from torch._guards import detect_fake_mode
+
+    vals = [n.meta.get("val") for n in placeholders(graph)]
+    return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
 
 
 def tensor_constants(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, torch.Tensor]]:

@@ -35,7 +35,7 @@ from typing import Any, cast
 import torch
 import torch.fx
 
-from ..program import Program, output_node, returned
+from ..program import Program, fake_mode, output_node, returned
 
 __all__ = ["channels_last"]
 
@@ -59,7 +59,7 @@ def channels_last(program: Program) -> Program:
     """
     if not _convolutions(program.graph) or not _inductor_picks_channels_last(program.graph_module):
         return program
-    mode = _fake_mode(program.graph)
+    mode = fake_mode(program.graph)
     if mode is None:
         return program
     work = program.copy_graph_module()
@@ -122,13 +122,6 @@ def _inductor_picks_channels_last(gm: torch.fx.GraphModule) -> bool:
         return bool(GraphLowering.decide_layout_opt(gm, is_inference=False))
     except Exception:  # a private rule: without it, the traced layouts stay
         return False
-
-
-def _fake_mode(graph: torch.fx.Graph) -> Any:
-    from torch._guards import detect_fake_mode
-
-    vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
-    return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
 
 
 def _convolutions(graph: torch.fx.Graph) -> list[Node]:

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from ..program import Program, alias_root, placeholders
+from ..program import Program, alias_root, fake_mode, placeholders
 
-__all__ = ["dense_inputs", "dense_layout", "has_gaps"]
+__all__ = ["dense_inputs", "dense_layout", "element_reach", "has_gaps"]
 
 Node = torch.fx.Node
 aten = torch.ops.aten
@@ -68,7 +68,7 @@ def dense_inputs(program: Program) -> Program:
     chosen = [n for n in chosen if n not in addressed]
     if not chosen:
         return program
-    mode = _fake_mode(nodes)
+    mode = fake_mode(program.graph)
     if mode is None:
         return program
     work = program.copy_graph_module()
@@ -95,12 +95,21 @@ def has_gaps(val: Any) -> bool:
     to its last (``x[:, :16]``, ``x[::2]``); an empty tensor has none."""
     if not isinstance(val, torch.Tensor) or val.numel() <= 1:
         return False
+    reach = element_reach(val)
+    return reach is not None and reach + 1 > val.numel()
+
+
+def element_reach(t: torch.Tensor) -> int | None:
+    """How many elements past its first ``t``'s last one lies, where no two of its
+    elements can share memory (with its dims ordered by stride, each stride steps past
+    everything the smaller dims reach); ``None`` where they may (an expanded view; a
+    layout that fails the test may still not overlap)."""
     reach = 0
-    for stride, size in sorted((st, n) for n, st in zip(val.shape, val.stride()) if n > 1):
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
         if stride <= reach:
-            return False  # elements may share memory
+            return None
         reach += (size - 1) * stride
-    return reach + 1 > val.numel()
+    return reach
 
 
 def dense_layout(val: torch.Tensor) -> tuple[int, ...]:
@@ -144,9 +153,3 @@ def _same_layout(a: Any, b: Any) -> bool:
             and a.storage_offset() == b.storage_offset()
         )
     return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor)
-
-
-def _fake_mode(nodes: list[Node]) -> Any:
-    from torch._guards import detect_fake_mode
-
-    return detect_fake_mode([v for n in nodes if isinstance(v := n.meta.get("val"), torch.Tensor)])

@@ -37,6 +37,7 @@ from ..aliasing import extent
 from ..capture import SOURCE_KEY
 from ..errors import CaptureError, FallbackWarning, RetraceWarning, SgraphWarning, StaleBufferError, warn
 from ..options import StaticOptions
+from ..passes.dense_inputs import element_reach
 from ..program import Program, placeholders, returned
 from .eager import copy_lists, write_back
 from .graph_nodes import count_kernels, new_graph
@@ -368,16 +369,9 @@ def _span(t: torch.Tensor, span: int) -> torch.Tensor:
 
 
 def _elements_are_apart(t: torch.Tensor) -> bool:
-    """Whether no two elements of ``t`` can share memory: with its dims ordered by
-    stride, each stride steps past everything the smaller dims reach. (A layout that
-    fails this may still not overlap; it is then copied as a span, which is right for
-    any layout.)"""
-    reach = 0
-    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
-        if stride <= reach:
-            return False
-        reach += (size - 1) * stride
-    return True
+    """Whether no two elements of ``t`` can share memory (a layout that fails this may
+    still not overlap; it is then copied as a span, which is right for any layout)."""
+    return element_reach(t) is not None
 
 
 def check_devices(program: Program) -> None:
