@@ -23,6 +23,7 @@ common case: moments from ``init``, grads laid out like the params) are not copi
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable
 from typing import cast
 
@@ -215,12 +216,20 @@ def _updated(
 ) -> list[tuple[Tensor, Tensor, Tensor]]:
     """Each leaf's new ``(param, mu, nu)``, written in ATen elementwise ops as ATen's fused
     kernel computes them (in the params' dtype; ``param -= lr * wd * param`` first, then
-    the moments, then ``param -= step_size * mu / (sqrt(nu) / sqrt(bc2) + eps)``)."""
+    the moments, then ``param -= step_size * mu / (sqrt(nu) / sqrt(bc2) + eps)``).
+
+    Rounded as the kernel rounds on each device: on CUDA it works in float32 from the
+    betas rounded to float32 (``1 - beta2`` for 0.999 is then 1.29e-5 below 0.001); on
+    CPU it takes ``1 - beta`` of the betas as given, and the bias corrections and the
+    step size in float64."""
     dtype = leaves[0][0].dtype
-    t = step.to(dtype)
+    scalars = torch.float64
+    if leaves[0][0].device.type == "cuda" and dtype == torch.float32:
+        b1, b2, scalars = _float32(b1), _float32(b2), dtype
+    t = step.to(scalars)
+    step_size = (lr.to(scalars) / (1 - torch.pow(b1, t))).to(dtype)
+    bc2_sqrt = torch.sqrt(1 - torch.pow(b2, t)).to(dtype)
     lr = lr.to(dtype)
-    step_size = lr / (1 - torch.pow(b1, t))
-    bc2_sqrt = torch.sqrt(1 - torch.pow(b2, t))
     out = []
     for p, g, m, v in leaves:
         g = g.to(dtype)
@@ -231,6 +240,11 @@ def _updated(
         p = p - step_size * m / (torch.sqrt(v) / bc2_sqrt + eps)
         out.append((p, m, v))
     return out
+
+
+def _float32(x: float) -> float:
+    """``x`` rounded to the nearest float32."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def _adamw_decomposed(params, grads, mu, nu, step, lr, b1, b2, eps, weight_decay):  # type: ignore[no-untyped-def]
