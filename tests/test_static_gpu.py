@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 
 import pytest
 import torch
@@ -447,3 +448,24 @@ def test_threads_replaying_one_graph_take_turns():
     for t in threads:
         t.join()
     assert not errors and len(results) == 4
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["static", "static+fuse"])
+def test_a_step_of_empty_tensors_captures_a_graph_of_no_kernels_and_leaves_cuda_clean(fuse):
+    # Counting the nodes of an empty graph once left the CUDA runtime's last error set,
+    # which the next kernel launch anywhere reported as its own ("invalid argument").
+    def f(x, y):
+        z = x[None] - y
+        return z * x, (x + 1).flatten()
+
+    step = sg.static(sg.fuse(f) if fuse else f)
+    x, y = torch.randn(3, 0, device="cuda"), torch.randn(3, 0, device="cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            got = step(x, y)
+            want = f(x, y)
+            assert [t.shape for t in got] == [t.shape for t in want]
+    assert step.last_compiled.stats.kernel_launches == 0
+    assert not [w for w in caught if "CUDA Graph is empty" in str(w.message)]  # nothing went wrong
+    assert (torch.arange(4, device="cuda") * 2).sum().item() == 12  # a launch after it raises nothing

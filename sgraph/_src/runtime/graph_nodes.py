@@ -30,7 +30,10 @@ def new_graph() -> tuple[torch.cuda.CUDAGraph, bool]:
 
 
 def count_kernels(graph: torch.cuda.CUDAGraph, kept: bool) -> int | None:
-    """Kernel nodes in ``graph``, or ``None`` when the runtime or the handle is unavailable."""
+    """Kernel nodes in ``graph``, or ``None`` when the runtime or the handle is unavailable.
+
+    A failed runtime call here leaves the CUDA runtime's last error set, which the next
+    kernel launch anywhere in the process would report as its own; it is cleared."""
     cudart = _cudart()
     raw = getattr(graph, "raw_cuda_graph", None)
     if cudart is None or raw is None or not kept:
@@ -39,18 +42,35 @@ def count_kernels(graph: torch.cuda.CUDAGraph, kept: bool) -> int | None:
         handle = ctypes.c_void_p(raw())
     except RuntimeError:
         return None
+    if not handle.value:
+        return None
+    try:
+        return _kernel_nodes(cudart, handle)
+    except _RuntimeCallFailed:
+        cudart.cudaGetLastError()
+        return None
+
+
+class _RuntimeCallFailed(Exception):
+    pass
+
+
+def _kernel_nodes(cudart: ctypes.CDLL, handle: ctypes.c_void_p) -> int:
+    def check(code: int) -> None:
+        if code != 0:
+            raise _RuntimeCallFailed(code)
+
     count = ctypes.c_size_t(0)
-    if cudart.cudaGraphGetNodes(handle, None, ctypes.byref(count)) != 0:
-        return None
+    check(cudart.cudaGraphGetNodes(handle, None, ctypes.byref(count)))
+    if count.value == 0:  # a step with no kernels (all its tensors empty)
+        return 0
     nodes = (ctypes.c_void_p * count.value)()
-    if cudart.cudaGraphGetNodes(handle, nodes, ctypes.byref(count)) != 0:
-        return None
-    kinds = ctypes.c_int(0)
+    check(cudart.cudaGraphGetNodes(handle, nodes, ctypes.byref(count)))
+    kind = ctypes.c_int(0)
     kernels = 0
     for node in nodes:
-        if cudart.cudaGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kinds)) != 0:
-            return None
-        kernels += kinds.value == _KERNEL_NODE
+        check(cudart.cudaGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)))
+        kernels += kind.value == _KERNEL_NODE
     return kernels
 
 
