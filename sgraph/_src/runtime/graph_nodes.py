@@ -44,32 +44,27 @@ def count_kernels(graph: torch.cuda.CUDAGraph, kept: bool) -> int | None:
         return None
     if not handle.value:
         return None
-    try:
-        return _kernel_nodes(cudart, handle)
-    except _RuntimeCallFailed:
+    kernels = _kernel_nodes(cudart, handle)
+    if kernels is None:
         cudart.cudaGetLastError()
-        return None
+    return kernels
 
 
-class _RuntimeCallFailed(Exception):
-    pass
-
-
-def _kernel_nodes(cudart: ctypes.CDLL, handle: ctypes.c_void_p) -> int:
-    def check(code: int) -> None:
-        if code != 0:
-            raise _RuntimeCallFailed(code)
-
+def _kernel_nodes(cudart: ctypes.CDLL, handle: ctypes.c_void_p) -> int | None:
+    """The kernel nodes of the graph ``handle``, or ``None`` if a runtime call failed."""
     count = ctypes.c_size_t(0)
-    check(cudart.cudaGraphGetNodes(handle, None, ctypes.byref(count)))
+    if cudart.cudaGraphGetNodes(handle, None, ctypes.byref(count)) != 0:
+        return None
     if count.value == 0:  # a step with no kernels (all its tensors empty)
         return 0
     nodes = (ctypes.c_void_p * count.value)()
-    check(cudart.cudaGraphGetNodes(handle, nodes, ctypes.byref(count)))
+    if cudart.cudaGraphGetNodes(handle, nodes, ctypes.byref(count)) != 0:
+        return None
     kind = ctypes.c_int(0)
     kernels = 0
     for node in nodes:
-        check(cudart.cudaGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)))
+        if cudart.cudaGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)) != 0:
+            return None
         kernels += kind.value == _KERNEL_NODE
     return kernels
 
