@@ -565,3 +565,42 @@ def test_a_float_times_an_integer_zero_keeps_nan_infinity_and_negative_zero():
         assert g.dtype == w.dtype
         torch.testing.assert_close(g, w, equal_nan=True, rtol=0, atol=0)
         assert torch.equal(torch.signbit(g), torch.signbit(w))  # -0 where eager has -0
+
+
+def test_ops_over_empty_tensors_give_eagers_values_and_no_inductor_failure():
+    """Inductor failed on some ops whose inputs have no elements (the fuzz, seeds 3580
+    and 5467 fused: a mean over the concatenation of an empty bool and an empty float
+    tensor, a bool matmul); sg.fuse now makes each such result the constant it is."""
+
+    def f(flags, scores, a, b, ids):
+        mixed = torch.cat([flags.flatten(), scores], -1)  # bool and float32: float32[0]
+        return (
+            mixed.mean(0),  # NaN; Inductor's scheduler asserted on this one
+            flags.logical_not() @ flags.logical_not().t(),  # a bool matmul: Inductor has no lowering
+            a @ b,  # zeros of shape [3, 4]
+            scores.sum(),
+            scores.prod(),
+            scores.reshape(0, 5).sum(0),
+            ids.float().mean(),  # not empty: computed as usual
+        )
+
+    args = (torch.zeros(0, 3, dtype=torch.bool), torch.randn(0), torch.randn(3, 0), torch.randn(0, 4), torch.arange(6))
+    fused = sg.fuse(f)
+    program = fused.lower(*args).program
+    assert "empty_folds" in program.passes
+    assert not {torch.ops.aten.mean.dim, torch.ops.aten.mm.default} & {n.target for n in program.graph.nodes}
+    want = f(*args)
+    got = fused(*args)
+    for g, w in zip(got, want, strict=True):
+        assert (g.shape, g.dtype, g.stride()) == (w.shape, w.dtype, w.stride())
+        torch.testing.assert_close(g, w, equal_nan=True, rtol=0, atol=0)
+    assert got[0].isnan() and got[-1] == 2.5
+
+
+def test_the_empty_folds_leave_views_writes_and_random_ops_alone():
+    from sgraph._src.passes.empty_folds import _functional
+
+    aten = torch.ops.aten
+    assert _functional(aten.mean.dim) and _functional(aten.mm.default) and _functional(aten.cat.default)
+    for op in (aten.view.default, aten._unsafe_view.default, aten.add_.Tensor, aten.rand_like.default, aten.var_mean.correction):
+        assert not _functional(op), op

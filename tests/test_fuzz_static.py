@@ -198,9 +198,10 @@ def snapshot(tree: Any) -> list[tuple[tuple, Any]]:
 class CaseRun:
     """Calls one case's step under sg.static and eagerly, checking every call."""
 
-    def __init__(self, case: Case, fuse: bool = False) -> None:
+    def __init__(self, case: Case, fuse: bool = False, plan: dict | None = None) -> None:
         self.case = case
-        self.static = sg.static(sg.fuse(case.fn) if fuse else case.fn, donate=case.donate, retrace=case.retrace)
+        fn = sg.plan_memory(**plan)(case.fn) if plan is not None else case.fn
+        self.static = sg.static(sg.fuse(fn) if fuse else fn, donate=case.donate, retrace=case.retrace)
         self.exact = {} if fuse else case.exact  # generated code may round differently: tolerance throughout
         self.tolerance = FUSED_TOLERANCE if fuse else TOLERANCE
         self.keys: set[Any] = set()
@@ -356,15 +357,19 @@ class CaseRun:
                 raise Mismatch(f"call {call}: input {path}, not donated, was changed:\n  was {before}\n  now {now}")
 
 
-def run_case(seed: int, verbose: bool = True, fuse: bool = False, device: str = "cpu") -> str:
-    """Generate and run case ``seed`` (under sg.fuse too, with ``fuse``) with its tensors
-    on ``device``; raise AssertionError (with the case's text) on a bug."""
+def run_case(
+    seed: int, verbose: bool = True, fuse: bool = False, device: str = "cpu", plan: dict | None = None
+) -> str:
+    """Generate and run case ``seed`` (under sg.fuse too, with ``fuse``; under
+    ``sg.plan_memory(**plan)`` too, with ``plan``) with its tensors on ``device``; raise
+    AssertionError (with the case's text) on a bug."""
     fuzz_case.DEVICE, was = device, fuzz_case.DEVICE
     try:
         case = generate(seed)
-        outcome = CaseRun(case, fuse).run()
+        outcome = CaseRun(case, fuse, plan).run()
     except Mismatch as e:
         options = (", fuse=True" if fuse else "") + (f", device={device!r}" if device != "cpu" else "")
+        options += f", plan={plan!r}" if plan is not None else ""
         again = reproduce(seed).replace(f"run_case({seed})", f"run_case({seed}{options})")
         raise AssertionError(f"seed {seed}: {e}\n{case.describe()}\nreproduce: {again}") from None
     finally:

@@ -2,7 +2,8 @@
 
 Whatever order the user stacks the decorators in, a step is lowered the same way:
 kernel fixes (replay), cleanup and algebraic folds (and, under ``sg.fuse``, products
-with an integer zero given a float zero, which Inductor would fold away, 2-D
+with an integer zero given a float zero, which Inductor would fold away, ops over
+empty tensors made constants, since Inductor refuses some of them, 2-D
 convolutions laid out channels-last and low-precision gradients handed to the AdamW
 update as they are), then communication (for a step over DTensors: collectives of one
 rank elided, parameters gathered again for the backward, small collectives bucketed,
@@ -27,6 +28,7 @@ from .cleanup import cleanup
 from .conv_layout import channels_last
 from .dense_inputs import dense_inputs
 from .donation import donation
+from .empty_folds import empty_folds
 from .float_zeros import float_zeros
 from .grad_casts import grad_casts
 from .memory.analysis import memory_analysis
@@ -59,7 +61,7 @@ def lower(program: Program, options: Options) -> Program:
     program = program.replace(graph_module=program.copy_graph_module())
     program = simplify(cleanup(replay(program, in_place=True), in_place=True), in_place=True)
     if options.fuse is not None:
-        program = float_zeros(program, in_place=True)
+        program = empty_folds(float_zeros(program, in_place=True), in_place=True)
     if options.fuse is not None and options.fuse.channels_last:
         program = channels_last(program)
     if options.fuse is not None and "adamw" in options.fuse.kernels:

@@ -10,7 +10,9 @@ turn, so chains of recomputed ops start from saved values or the step's inputs.
 
 Recomputed ops are the same ATen ops on the same inputs, so results are bitwise
 those of the unplanned step. Ops that draw random numbers, write their inputs or
-talk to other processes are never recomputed.
+talk to other processes are never recomputed, nor an op reading a buffer that the
+step writes in place between the op and the value's first backward read (the copy
+would read the new values).
 
 The unit of choice is a :class:`Group`: a buffer the backward reads (through the
 value itself or views of it) together with those views, since keeping any of them
@@ -28,7 +30,7 @@ import torch
 import torch.fx
 
 from ...capture import SOURCE_KEY
-from ...program import Program, memory_root
+from ...program import Program, memory_root, written_args
 from ...source import MODULE_KEY
 from ...tags import TAGS_KEY
 
@@ -119,17 +121,44 @@ def groups(program: Program) -> list[Group]:
     end = forward_end(program.graph)
     forward = set(nodes[:end])
     members: dict[Node, list[Node]] = {}
-    for node in nodes[end:]:
+    first_read: dict[Node, int] = {}
+    for i, node in enumerate(nodes[end:], end):
         for arg in _node_args(node):
             if arg in forward and arg.op == "call_function" and _tensor(arg):
                 members.setdefault(memory_root(arg), []).append(arg)
+                first_read.setdefault(memory_root(arg), i)
     tags = _tags_by_buffer(nodes[:end])
+    position = {n: i for i, n in enumerate(nodes)}
+    writes = _writes(nodes)
     found = []
     for root, read in members.items():
         closure = _closure(root, read)
-        if root in forward and root.op == "call_function" and all(recomputable(n) for n in closure):
+        if (
+            root in forward
+            and root.op == "call_function"
+            and all(recomputable(n) for n in closure)
+            and not any(_overwritten(n, first_read[root], position, writes) for n in closure)
+        ):
             found.append(_group(root, closure, tags.get(root, ())))
-    return sorted(found, key=lambda g: nodes.index(g.root))
+    return sorted(found, key=lambda g: position[g.root])
+
+
+def _writes(nodes: list[Node]) -> dict[Node, list[int]]:
+    """For each buffer the step writes in place (an input written back, a donated
+    update), the positions of the ops writing it."""
+    found: dict[Node, list[int]] = {}
+    for i, node in enumerate(nodes):
+        for arg in written_args(node):
+            found.setdefault(memory_root(arg), []).append(i)
+    return found
+
+
+def _overwritten(node: Node, before: int, position: dict[Node, int], writes: dict[Node, list[int]]) -> bool:
+    """Whether a buffer ``node`` reads is written after ``node`` and before position
+    ``before``: a copy of ``node`` made there would read the new values (a step's
+    ``x.neg_()`` after ``y = x * 2``, with ``y`` returned, kept for the output)."""
+    at = position[node]
+    return any(at < w < before for arg in _node_args(node) for w in writes.get(memory_root(arg), ()))
 
 
 def recomputable(node: Node) -> bool:
