@@ -357,9 +357,7 @@ class CaseRun:
                 raise Mismatch(f"call {call}: input {path}, not donated, was changed:\n  was {before}\n  now {now}")
 
 
-def run_case(
-    seed: int, verbose: bool = True, fuse: bool = False, device: str = "cpu", plan: dict | None = None
-) -> str:
+def run_case(seed: int, verbose: bool = True, fuse: bool = False, device: str = "cpu", plan: dict | None = None) -> str:
     """Generate and run case ``seed`` (under sg.fuse too, with ``fuse``; under
     ``sg.plan_memory(**plan)`` too, with ``plan``) with its tensors on ``device``; raise
     AssertionError (with the case's text) on a bug."""
@@ -411,12 +409,13 @@ def test_static_matches_eager_on_seeds_that_once_failed():
     assert not failures, "\n\n".join(failures)
 
 
-FUSED_SEEDS = [*range(24), 34, 64, 108, 147, 210, 266, 349, 1298, 3479, 4306, 4607]
+FUSED_SEEDS = [*range(24), 34, 64, 108, 147, 210, 266, 349, 1298, 3479, 3580, 4306, 4607, 5467]
 # 34, 64: inputs aliased at trace time; 147: mixed precision (a clipped AdamW over float32
 # and float64 params); 108, 349: Lion donated, 266: Nesterov SGD donated; 210: Inductor
 # dropped a clone and returned a donated input's buffer; 1298: a donated input took
 # another's old value through a view that Inductor dropped, after that one's write;
-# 4306: Inductor folded a NaN times an integer zero to zero
+# 4306: Inductor folded a NaN times an integer zero to zero; 3580, 5467: Inductor refused
+# ops over empty tensors (a bool matmul; a mean over an empty bool-float concatenation)
 
 
 @pytest.mark.slow
@@ -432,6 +431,26 @@ def test_fused_matches_eager_on_random_steps():
     if failures:
         heads = "\n".join(f.splitlines()[0] for f in failures)
         pytest.fail(f"{len(failures)} of {len(FUSED_SEEDS)} seeds fail:\n{heads}\n\nfirst in full:\n{failures[0]}")
+
+
+PLAN = {"policy": "save_matmuls"}  # recompute all but matmul outputs: the most copies
+PLANNED_SEEDS = [*range(300), 725, 1559]
+# 725, 1559: a value returned from an input that the step then wrote in place was
+# recomputed after the write
+
+
+def test_planned_matches_eager_on_random_steps():
+    """The cases under sg.static(sg.plan_memory(policy="save_matmuls")(step)): recomputed
+    copies and updates scheduled into the backward, bitwise eager's values on ATen kernels."""
+    failures = []
+    for seed in PLANNED_SEEDS:
+        try:
+            run_case(seed, verbose=False, plan=PLAN)
+        except AssertionError as e:
+            failures.append(str(e))
+    if failures:
+        heads = "\n".join(f.splitlines()[0] for f in failures)
+        pytest.fail(f"{len(failures)} of {len(PLANNED_SEEDS)} seeds fail:\n{heads}\n\nfirst in full:\n{failures[0]}")
 
 
 GPU_SEEDS = range(120)
