@@ -195,6 +195,27 @@ def test_an_undonated_input_returned_twice_is_passed_back_donated_without_changi
     assert torch.equal(first[2]["x"], torch.arange(4.0)) and torch.equal(first[2]["row"], torch.arange(2.0))
 
 
+@pytest.mark.parametrize("fuse", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["static", "static+fuse"])
+def test_two_undonated_inputs_that_are_one_tensor_come_back_apart_when_the_step_donates(fuse):
+    """``step(p, x, x)`` returning both ``x`` and ``y``: one tensor at two places, as in
+    eager, where passing one back donated overwrote the other the user held (the fuzz,
+    seed 2415). The graph cannot know the two inputs are one; the call does."""
+
+    def step(p, x, y):
+        return p + x, x, {"y": y, "row": y[:2]}
+
+    run = sg.static(sg.fuse(step) if fuse else step, donate="p")
+    x = torch.arange(4.0)
+    first = run(torch.ones(4), x, x)
+    assert first[1] is x and first[2]["y"] is not x
+    second = run(first[1], torch.full((4,), 10.0), torch.zeros(4))  # x given back as donated memory
+    assert torch.equal(second[0], torch.arange(4.0) + 10)
+    assert torch.equal(first[2]["y"], torch.arange(4.0)) and torch.equal(first[2]["row"], torch.arange(2.0))
+    z = torch.arange(4.0)
+    apart = run(torch.ones(4), z, torch.zeros(4))  # two tensors on this call: x comes back as itself
+    assert apart[1] is z and torch.equal(apart[2]["row"], torch.zeros(2))
+
+
 def test_an_output_computed_from_a_view_of_an_undonated_input_never_writes_into_it():
     @sg.static(donate="params")
     def step(params, x):

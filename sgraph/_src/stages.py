@@ -18,7 +18,7 @@ import torch
 
 from . import tree
 from .agreement import DEFAULT_TIMEOUT, agree
-from .aliasing import AliasGuard, extent
+from .aliasing import AliasGuard, copy_exactly, extent
 from .argtree import ArgFlattener
 from .collector import full_collections_deferred
 from .dtensors import dist_info, is_dtensor, local, wrap
@@ -30,7 +30,7 @@ from .passes.memory.plan import MemoryPlan
 from .passes.pipeline import lower as run_passes
 from .passes.pipeline import replays_as_graph
 from .passes.shard.cost import CostAnalysis, Links, cost_analysis
-from .program import Program, compute_ops, tensor_constants
+from .program import Program, compute_ops, memory_root, placeholders, returned, tensor_constants
 from .runtime.eager import EagerExecutable
 from .signature import ClosureCheck, Signature, signature_of
 from .source import SOURCE_KEY, where
@@ -275,6 +275,7 @@ class Compiled(_Stage):
         self._output_plan = [(o.graph_index, o.value) for o in outputs]
         constants = _constants(traced.program)
         self.alias = _alias_guard(self.program, traced, constants)
+        self._passed_through = _passed_through(self.program)
         self.closure = ClosureCheck(constants)
         self._sharded = any(leaf.dist is not None for leaf in (*self.program.inputs, *outputs))
         self._out_dists = [o.dist for o in outputs if o.is_tensor]
@@ -321,6 +322,8 @@ class Compiled(_Stage):
             return self._call_sharded(tensors)
         outputs = self.executable(self.alias.prepare(tensors))
         self.calls += 1
+        if self._passed_through:
+            _copy_repeated(outputs, self._passed_through)
         if self._plain_outputs:
             return tree.unflatten(self.program.out_spec, outputs)
         result = [value if i is None else outputs[i] for i, value in self._output_plan]
@@ -414,6 +417,39 @@ def _alias_guard(program: Program, traced: Traced, constants: list[tuple[str, to
         frozenset(written & program.donated),
         constants,
     )
+
+
+def _passed_through(program: Program) -> list[int]:
+    """The graph outputs that are (views of) inputs not donated, where there are two or
+    more and the step donates: inputs that are one tensor on a call (``step(w, w)``)
+    come back as one tensor at two places, which :func:`_copy_repeated` separates."""
+    if not program.donated:
+        return []
+    inputs = {node: i for i, node in enumerate(placeholders(program.graph))}
+    found = []
+    for k, value in enumerate(returned(program.graph)):
+        root = memory_root(value) if isinstance(value, torch.fx.Node) else None
+        if root in inputs and inputs[root] not in program.donated:
+            found.append(k)
+    return found if len(found) > 1 else []
+
+
+def _copy_repeated(outputs: list[torch.Tensor], positions: Sequence[int]) -> None:
+    """Replace each of ``outputs[positions]`` that shares memory with an earlier one by a
+    copy: a step with donated arguments never returns one tensor at two places, since
+    the user may pass either back donated (the graph itself makes sure of that for one
+    input returned twice; two inputs that are one tensor are known on the call only)."""
+    seen: list[tuple[torch.device, int, int]] = []  # (device, first byte, past the last)
+    for k in positions:
+        t = outputs[k]
+        size = extent(t.shape, t.stride(), t.element_size()) if isinstance(t, torch.Tensor) else 0
+        if not size:
+            continue
+        start = t.data_ptr()
+        if any(d == t.device and a < start + size and start < b for d, a, b in seen):
+            t = outputs[k] = copy_exactly(t)
+            start = t.data_ptr()
+        seen.append((t.device, start, start + size))
 
 
 def _constants(program: Program) -> list[tuple[str, torch.Tensor]]:

@@ -23,7 +23,8 @@ as traced, so values, dtypes, shapes and strides are those of eager.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -103,8 +104,9 @@ def _uniform_value(node: Node) -> bool | int | float | complex | None:
 
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), real)
     kwargs = {k: (torch.device("cpu") if k == "device" else v) for k, v in kwargs.items()}
+    op = cast("Callable[..., Any]", node.target)
     try:
-        out = node.target(*args, **kwargs)
+        out = op(*args, **kwargs)
     except Exception:  # an op CPU tensors cannot run: keep it for Inductor
         return None
     if not isinstance(out, torch.Tensor) or out.shape != node.meta["val"].shape or out.numel() == 0:
