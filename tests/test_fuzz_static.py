@@ -462,15 +462,21 @@ GPU_SEEDS = range(120)
 def test_static_and_fused_match_eager_on_random_steps_on_the_gpu():
     """The same cases with their tensors on the GPU: sg.static replays a CUDA graph (its
     buffers for inputs laid out as the inputs), and sg.fuse generates Triton code, whose
-    foreach kernels over donated state order reads and writes otherwise than C++ code."""
+    foreach kernels over donated state order reads and writes otherwise than C++ code;
+    and a sample under plan_memory, whose recomputed copies the graph replays."""
+    runs = [
+        *((s, {}) for s in GPU_SEEDS),
+        *((s, {"fuse": True}) for s in FUSED_SEEDS),
+        *((s, {"plan": PLAN}) for s in PLANNED_SEEDS[:60] + PLANNED_SEEDS[-2:]),
+    ]
     failures = []
-    for seed, fuse in [*((s, False) for s in GPU_SEEDS), *((s, True) for s in FUSED_SEEDS)]:
+    for seed, how in runs:
         try:
-            run_case(seed, verbose=False, fuse=fuse, device="cuda")
+            run_case(seed, verbose=False, device="cuda", **how)
         except AssertionError as e:
             failures.append(str(e))
         except Exception as e:
-            failures.append(f"seed {seed}{' fused' if fuse else ''}: fuzz harness error {e!r}")
+            failures.append(f"seed {seed} {how}: fuzz harness error {e!r}")
     if failures:
         heads = "\n".join(f.splitlines()[0] for f in failures)
         pytest.fail(f"{len(failures)} cases fail:\n{heads}\n\nfirst in full:\n{failures[0]}")
