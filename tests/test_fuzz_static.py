@@ -39,6 +39,7 @@ import copy
 import math
 import time
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import fuzz_case
@@ -410,6 +411,19 @@ def test_static_matches_eager_on_seeds_that_once_failed():
     assert not failures, "\n\n".join(failures)
 
 
+def _run_sample(seeds: Sequence[int], **how: Any) -> None:
+    """Run ``seeds`` with ``run_case(seed, **how)``; fail naming every failing seed."""
+    failures = []
+    for seed in seeds:
+        try:
+            run_case(seed, verbose=False, **how)
+        except AssertionError as e:
+            failures.append(str(e))
+    if failures:
+        heads = "\n".join(f.splitlines()[0] for f in failures)
+        pytest.fail(f"{len(failures)} of {len(seeds)} seeds fail:\n{heads}\n\nfirst in full:\n{failures[0]}")
+
+
 FUSED_SEEDS = [*range(24), 34, 64, 108, 147, 210, 266, 349, 1298, 3479, 3580, 4306, 4607, 5467]
 # 34, 64: inputs aliased at trace time; 147: mixed precision (a clipped AdamW over float32
 # and float64 params); 108, 349: Lion donated, 266: Nesterov SGD donated; 210: Inductor
@@ -423,15 +437,7 @@ FUSED_SEEDS = [*range(24), 34, 64, 108, 147, 210, 266, 349, 1298, 3479, 3580, 43
 def test_fused_matches_eager_on_random_steps():
     """A sample of the same cases under sg.static(sg.fuse(step)): generated C++ instead
     of ATen kernels, the same contract (each case compiles with Inductor, hence few)."""
-    failures = []
-    for seed in FUSED_SEEDS:
-        try:
-            run_case(seed, verbose=False, fuse=True)
-        except AssertionError as e:
-            failures.append(str(e))
-    if failures:
-        heads = "\n".join(f.splitlines()[0] for f in failures)
-        pytest.fail(f"{len(failures)} of {len(FUSED_SEEDS)} seeds fail:\n{heads}\n\nfirst in full:\n{failures[0]}")
+    _run_sample(FUSED_SEEDS, fuse=True)
 
 
 PLAN = {"policy": "save_matmuls"}  # recompute all but matmul outputs: the most copies
@@ -443,15 +449,7 @@ PLANNED_SEEDS = [*range(300), 725, 1559]
 def test_planned_matches_eager_on_random_steps():
     """The cases under sg.static(sg.plan_memory(policy="save_matmuls")(step)): recomputed
     copies and updates scheduled into the backward, bitwise eager's values on ATen kernels."""
-    failures = []
-    for seed in PLANNED_SEEDS:
-        try:
-            run_case(seed, verbose=False, plan=PLAN)
-        except AssertionError as e:
-            failures.append(str(e))
-    if failures:
-        heads = "\n".join(f.splitlines()[0] for f in failures)
-        pytest.fail(f"{len(failures)} of {len(PLANNED_SEEDS)} seeds fail:\n{heads}\n\nfirst in full:\n{failures[0]}")
+    _run_sample(PLANNED_SEEDS, plan=PLAN)
 
 
 GPU_SEEDS = range(120)
