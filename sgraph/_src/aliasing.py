@@ -26,7 +26,7 @@ import torch
 
 from .errors import ArgumentError
 
-__all__ = ["AliasGuard", "copy_exactly", "extent"]
+__all__ = ["AliasGuard", "copy_exactly", "extent", "overlapping_pairs"]
 
 
 class AliasGuard:
@@ -115,7 +115,7 @@ class AliasGuard:
         starts = ptrs + [t.data_ptr() for _, t in self.constants]
         sizes = self.extent + [_extent(t) for _, t in self.constants]
         donated_at = self.is_donated + [False] * len(self.constants)
-        for a, b in _overlaps(starts, sizes):
+        for a, b in overlapping_pairs(starts, sizes):
             if donated_at[a] and donated_at[b]:
                 raise ArgumentError(self._both_donated(a, b))
             donated, other = (a, b) if donated_at[a] else (b, a)
@@ -168,7 +168,7 @@ def _extent(t: torch.Tensor) -> int:
     return extent(t.shape, t.stride(), t.element_size())
 
 
-def _overlaps(ptrs: list[int], extent: list[int]) -> list[tuple[int, int]]:
+def overlapping_pairs(ptrs: list[int], extent: list[int]) -> list[tuple[int, int]]:
     """Every pair of positions whose byte ranges overlap."""
     ranges = sorted((ptrs[i], ptrs[i] + extent[i], i) for i in range(len(ptrs)) if extent[i])
     pairs: list[tuple[int, int]] = []

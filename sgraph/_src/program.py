@@ -12,7 +12,7 @@ import dataclasses
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypeGuard, cast
 
 import torch
 import torch.fx
@@ -30,6 +30,7 @@ __all__ = [
     "fake_mode",
     "graph_module",
     "memory_root",
+    "pure_op",
     "readers",
     "output_node",
     "placeholders",
@@ -294,6 +295,14 @@ def view_base(node: torch.fx.Node) -> torch.fx.Node | None:
     if not returns or returns[0].alias_info is None or first.alias_info is None:
         return None
     return node.args[0]
+
+
+def pure_op(target: Any) -> TypeGuard[torch._ops.OpOverload]:
+    """Whether ``target`` is an ATen (or prims) op that writes none of its arguments and
+    draws no random numbers: run again on the same inputs, it gives the same values."""
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
+        return False
+    return not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
 
 
 def _returns_views(node: torch.fx.Node) -> bool:

@@ -18,7 +18,7 @@ import torch
 
 from . import tree
 from .agreement import DEFAULT_TIMEOUT, agree
-from .aliasing import AliasGuard, copy_exactly, extent
+from .aliasing import AliasGuard, copy_exactly, extent, overlapping_pairs
 from .argtree import ArgFlattener
 from .collector import full_collections_deferred
 from .dtensors import dist_info, is_dtensor, local, wrap
@@ -435,21 +435,21 @@ def _passed_through(program: Program) -> list[int]:
 
 
 def _copy_repeated(outputs: list[torch.Tensor], positions: Sequence[int]) -> None:
-    """Replace each of ``outputs[positions]`` that shares memory with an earlier one by a
-    copy: a step with donated arguments never returns one tensor at two places, since
-    the user may pass either back donated (the graph itself makes sure of that for one
-    input returned twice; two inputs that are one tensor are known on the call only)."""
-    seen: list[tuple[torch.device, int, int]] = []  # (device, first byte, past the last)
-    for k in positions:
-        t = outputs[k]
-        size = extent(t.shape, t.stride(), t.element_size()) if isinstance(t, torch.Tensor) else 0
-        if not size:
-            continue
-        start = t.data_ptr()
-        if any(d == t.device and a < start + size and start < b for d, a, b in seen):
-            t = outputs[k] = copy_exactly(t)
-            start = t.data_ptr()
-        seen.append((t.device, start, start + size))
+    """Replace each of ``outputs[positions]`` that shares memory with an earlier one left
+    as it is by a copy: a step with donated arguments never returns one tensor at two
+    places, since the user may pass either back donated (the graph itself makes sure of
+    that for one input returned twice; two inputs that are one tensor are known on the
+    call only)."""
+    tensors = [outputs[k] for k in positions]
+    sizes = [extent(t.shape, t.stride(), t.element_size()) for t in tensors]
+    earlier: dict[int, set[int]] = {}
+    for a, b in overlapping_pairs([t.data_ptr() for t in tensors], sizes):
+        earlier.setdefault(max(a, b), set()).add(min(a, b))
+    copied: set[int] = set()
+    for i in sorted(earlier):
+        if earlier[i] - copied:
+            outputs[positions[i]] = copy_exactly(tensors[i])
+            copied.add(i)
 
 
 def _constants(program: Program) -> list[tuple[str, torch.Tensor]]:

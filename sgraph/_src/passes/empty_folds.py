@@ -29,7 +29,7 @@ from typing import Any, cast
 import torch
 import torch.fx
 
-from ..program import Program
+from ..program import Program, pure_op
 
 __all__ = ["empty_folds"]
 
@@ -84,14 +84,10 @@ def _fold(node: Node) -> tuple[Any, tuple, dict] | None:
 
 def _functional(target: Any) -> bool:
     """An ATen op that writes no input, returns no view of one and draws no random numbers."""
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten" or target in _VIEWS:
+    if not pure_op(target) or target.namespace != "aten" or target in _VIEWS:
         return False
-    if torch.Tag.nondeterministic_seeded in target.tags:
-        return False
-    schema = target._schema
-    if schema.is_mutable or len(schema.returns) != 1:
-        return False
-    return all(r.alias_info is None for r in schema.returns)
+    returns = target._schema.returns
+    return len(returns) == 1 and returns[0].alias_info is None
 
 
 def _uniform_value(node: Node) -> bool | int | float | complex | None:

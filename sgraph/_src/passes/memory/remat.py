@@ -30,7 +30,7 @@ import torch
 import torch.fx
 
 from ...capture import SOURCE_KEY
-from ...program import Program, memory_root, written_args
+from ...program import Program, memory_root, pure_op, written_args
 from ...source import MODULE_KEY
 from ...tags import TAGS_KEY
 
@@ -125,8 +125,9 @@ def groups(program: Program) -> list[Group]:
     for i, node in enumerate(nodes[end:], end):
         for arg in _node_args(node):
             if arg in forward and arg.op == "call_function" and _tensor(arg):
-                members.setdefault(memory_root(arg), []).append(arg)
-                first_read.setdefault(memory_root(arg), i)
+                root = memory_root(arg)
+                members.setdefault(root, []).append(arg)
+                first_read.setdefault(root, i)
     tags = _tags_by_buffer(nodes[:end])
     position = {n: i for i, n in enumerate(nodes)}
     writes = _writes(nodes)
@@ -168,11 +169,7 @@ def recomputable(node: Node) -> bool:
     if node.target is operator.getitem:
         return isinstance(node.args[0], Node) and recomputable(node.args[0])
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
-        return False
-    if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
-        return False
-    return target.overloadpacket.__name__ not in ("_local_scalar_dense", "copy_")
+    return pure_op(target) and target.overloadpacket.__name__ not in ("_local_scalar_dense", "copy_")
 
 
 def rematerialize(program: Program, recompute: Collection[Group]) -> Program:
