@@ -343,6 +343,8 @@ class Compiled(_Stage):
             }  # the signature fixes every later call's layouts: these hold for them too
         outputs = self.executable(self.alias.prepare([local(t) for t in tensors]))
         self.calls += 1
+        if self._passed_through:
+            _copy_repeated(outputs, self._passed_through)  # on the local shards, before wrapping
         for out, into in self._returned_inputs.items():
             outputs[out] = tensors[into]
         wrap(outputs, self._out_dists, self._out_specs, skip=self._returned_inputs)

@@ -273,6 +273,32 @@ def fused_fsdp_matches_one_process(rank: int, world: int) -> None:
 
 
 @_check
+def two_undonated_inputs_that_are_one_dtensor_come_back_apart(rank: int, world: int) -> None:
+    """``step(p, x, x)`` returning ``x`` and a view of ``y``: passing ``x`` back donated
+    must not overwrite the view the user still holds (as under sg.static alone)."""
+
+    def step(p, x, y):
+        return p + x, x, {"y": y, "cols": y[:, :2]}
+
+    mesh = sg.mesh(dp=world)
+    run = sg.static(sg.shard(mesh, p=sg.P("dp"), x=sg.P("dp"), y=sg.P("dp"))(step), donate="p")
+
+    def placed(value: float | None = None):
+        full = (
+            torch.arange(4.0 * world * 2).reshape(world * 2, 4) if value is None else torch.full((world * 2, 4), value)
+        )
+        return sg.distribute(full, mesh, sg.P("dp"))
+
+    x = placed()
+    first = run(placed(1.0), x, x)
+    second = run(first[1], placed(10.0), placed(0.0))  # x given back as donated memory
+    want = torch.arange(4.0 * world * 2).reshape(world * 2, 4)
+    assert torch.equal(second[0].full_tensor(), want + 10)
+    assert torch.equal(first[2]["y"].full_tensor(), want)
+    assert torch.equal(first[2]["cols"].full_tensor(), want[:, :2])
+
+
+@_check
 def program_mismatch_raises_on_every_rank(rank: int, world: int) -> None:
     if world < 2:
         return
