@@ -36,7 +36,9 @@ class AliasGuard:
         name: the step, for messages (``sg.static(train_step)``).
         paths: each tensor input's path.
         extents: each tensor input's bytes from its first element to past its last
-            (fixed by the signature: shape, strides, dtype), see :func:`extent`.
+            (fixed by the signature: shape, strides, dtype), see :func:`extent`; None
+            where the signature does not fix it (a DTensor's local shard, whose
+            layout it does not record): read from the tensor on every call.
         donated: positions of donated inputs.
         written: donated positions the step writes in place.
         constants: the tensors the step closes over, each with a description for
@@ -47,7 +49,7 @@ class AliasGuard:
         self,
         name: str,
         paths: Sequence[str],
-        extents: Sequence[int],
+        extents: Sequence[int | None],
         donated: frozenset[int],
         written: frozenset[int],
         constants: Sequence[tuple[str, torch.Tensor]] = (),
@@ -58,7 +60,8 @@ class AliasGuard:
         self.donated = sorted(donated)
         self.is_donated = [i in donated for i in range(len(extents))]
         self.written = written
-        self.extent = list(extents)
+        self.extent = [e or 0 for e in extents]
+        self._read = [i for i, e in enumerate(extents) if e is None]  # positions read per call
         # The last accepted addresses with their donated ranges (starts and ends, sorted),
         # swapped as one tuple so that concurrent calls never read one call's addresses
         # with another's ranges.
@@ -74,18 +77,28 @@ class AliasGuard:
         if not self.donated:
             return tensors
         ptrs = list(map(_data_ptr, tensors))
+        extents = self.extent
+        if self._read:
+            extents = list(extents)
+            for i in self._read:
+                extents[i] = _extent(tensors[i])
+            ptrs += [extents[i] for i in self._read]  # a changed extent is a changed key
         known = self._known
         if known is not None:
             ok, starts, ends = known
             if ptrs == ok:
                 return tensors
             changed = [i for i, a, b in zip(range(len(ptrs)), ptrs, ok) if a != b]
-            if not any(self.is_donated[i] for i in changed) and not self._overlapping(ptrs, changed, starts, ends):
+            if (
+                not self._read  # the shortcut below takes the extents as fixed
+                and not any(self.is_donated[i] for i in changed)
+                and not self._overlapping(ptrs, changed, starts, ends)
+            ):
                 self._known = (ptrs, starts, ends)
                 return tensors
-        copies = self._full_check(ptrs)
+        copies = self._full_check(ptrs[: len(tensors)], extents)
         if not copies:
-            self._remember(ptrs)
+            self._remember(ptrs, extents)
             return tensors
         out = list(tensors)
         for i in copies:
@@ -104,16 +117,16 @@ class AliasGuard:
                 return True
         return False
 
-    def _remember(self, ptrs: list[int]) -> None:
-        ranges = sorted((ptrs[i], ptrs[i] + self.extent[i]) for i in self.donated if self.extent[i])
+    def _remember(self, ptrs: list[int], extents: list[int]) -> None:
+        ranges = sorted((ptrs[i], ptrs[i] + extents[i]) for i in self.donated if extents[i])
         self._known = (ptrs, [s for s, _ in ranges], [e for _, e in ranges])
 
-    def _full_check(self, ptrs: list[int]) -> list[int]:
+    def _full_check(self, ptrs: list[int], extents: list[int]) -> list[int]:
         """Positions of non-donated inputs to copy; raises for overlaps it cannot undo."""
         copies = []
         n = len(ptrs)  # positions from n on are the constants
         starts = ptrs + [t.data_ptr() for _, t in self.constants]
-        sizes = self.extent + [_extent(t) for _, t in self.constants]
+        sizes = extents + [_extent(t) for _, t in self.constants]
         donated_at = self.is_donated + [False] * len(self.constants)
         for a, b in overlapping_pairs(starts, sizes):
             if donated_at[a] and donated_at[b]:

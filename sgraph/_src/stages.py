@@ -409,7 +409,8 @@ class Compiled(_Stage):
 def _alias_guard(program: Program, traced: Traced, constants: list[tuple[str, torch.Tensor]]) -> AliasGuard:
     """The per-call aliasing check of a program, from the byte extents its signature fixes."""
     keys = [key for key in traced.signature.leaves if key[0] in ("tensor", "dtensor")]
-    extents = [extent(key[1], key[4], key[2].itemsize) if key[0] == "tensor" else 0 for key in keys]
+    # a DTensor's key does not fix its local shard's layout: that extent is read per call
+    extents = [extent(key[1], key[4], key[2].itemsize) if key[0] == "tensor" else None for key in keys]
     written = traced.program.written_inputs()  # the step's own writes, before reinplacing adds ours
     return AliasGuard(
         program.name,

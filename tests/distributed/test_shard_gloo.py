@@ -299,6 +299,35 @@ def two_undonated_inputs_that_are_one_dtensor_come_back_apart(rank: int, world: 
 
 
 @_check
+def an_input_sharing_memory_with_a_donated_dtensor_is_checked(rank: int, world: int) -> None:
+    """The per-call aliasing check covers DTensor arguments (their local shards): an input
+    overlapping a donated one is copied for the call, or raises where the step writes the
+    donated one in place (it ran, reading the write part-way, before)."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = sg.mesh(dp=world)
+
+    def scaled(p, x):
+        return p * 2 + x
+
+    def written(p, x):
+        p.mul_(2)
+        return p + x
+
+    want = torch.arange(2.0 * world) * 3
+    for step, outcome in ((scaled, want), (written, sg.ArgumentError)):
+        run = sg.static(sg.shard(mesh, p=sg.P("dp"), x=sg.P("dp"))(step), donate="p")
+        for _ in range(2):  # the second call takes the remembered-addresses path
+            p = sg.distribute(torch.arange(2.0 * world), mesh, sg.P("dp"))
+            x = DTensor.from_local(p.to_local()[:], mesh, p.placements, run_check=False)  # p's memory
+            if outcome is sg.ArgumentError:
+                with pytest.raises(sg.ArgumentError, match=r"input x shares memory with donated input p"):
+                    run(p, x)
+            else:
+                assert torch.equal(run(p, x).full_tensor(), outcome)
+
+
+@_check
 def program_mismatch_raises_on_every_rank(rank: int, world: int) -> None:
     if world < 2:
         return
