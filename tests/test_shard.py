@@ -211,3 +211,21 @@ def test_agreement_compares_collective_shapes_within_each_group_only():
     message = _difference("step", torn)
     assert message is not None and "ranks 2 and 3 run collective 0 of the step together" in message
     assert "f32[22]" in message and "f32[29]" in message
+
+
+def test_reshaping_an_empty_dtensor_raises_naming_the_line_instead_of_hanging(mesh) -> None:
+    """DTensor's view rule never returns for ``[0, 3] -> [-1]`` and divides by zero for
+    ``[0, 3] -> [3, 0]`` (eagerly too): the trace raises first. Views that only add or drop
+    dims of size 1 go through it and lower."""
+
+    def flat(x):
+        return x.reshape(-1) * 2
+
+    def turned(x):
+        return x.reshape(3, 0) * 2
+
+    for step in (flat, turned):
+        with pytest.raises(sg.CaptureError, match=r"a DTensor with no elements, f32\[0, 3\], is reshaped .*test_shard"):
+            sg.shard(mesh)(step).lower(torch.zeros(0, 3))
+    lowered = sg.shard(mesh)(lambda x: x.reshape(0, 1, 3) * 2).lower(torch.zeros(0, 3))
+    assert lowered.program.outputs[0].dist.shape == (0, 1, 3)

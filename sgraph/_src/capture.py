@@ -33,10 +33,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .capture_guards import no_host_sync, quiet_torch_logs, rng_state_unchanged, trace_guards
+from .dtensors import is_dtensor
 from .errors import CaptureError, SgraphError
 from .running_stats import hidden_writes
 from .source import GRAD_MODULE_KEY, MODULE_KEY, SOURCE_KEY, Source, is_library, module_path, user_source, where
 from .text import describe_tensor
+
+_VIEW_OPS = frozenset(
+    (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
+)
 
 __all__ = [
     "Source",
@@ -251,6 +256,7 @@ class SourceMode(TorchDispatchMode):
             self._check_recomputed_randomness(func, args, kwargs)
             self._check_overlapping_write(func, args, kwargs)
             self._check_constant_write(func, args, kwargs)
+            self._check_empty_dtensor_view(func, args)
         graph = _tracing_graph()
         last = _last_node(graph) if graph is not None else None
         try:
@@ -335,6 +341,26 @@ class SourceMode(TorchDispatchMode):
             if not _is_real(value) or value.numel() == 0 or _storage(value) in self.made:
                 continue
             raise CaptureError(constant_write_message(self.api, func, tuple(value.shape), self._source()))
+
+    def _check_empty_dtensor_view(self, func: Any, args: Any) -> None:
+        """A reshape of a DTensor with no elements into another shape: DTensor's sharding
+        rule for views divides by the zero size or never returns (torch 2.11 to 2.13),
+        eagerly as under the trace. Raised before it runs, naming the line."""
+        if func not in _VIEW_OPS or len(args) < 2 or not is_dtensor(args[0]) or args[0].numel():
+            return
+        shape = tuple(args[0].shape)
+        try:
+            target = torch.empty(shape, device="meta").reshape(args[1]).shape
+        except RuntimeError:
+            return  # not a valid view: DTensor's own error says so
+        if [n for n in shape if n != 1] == [n for n in target if n != 1]:
+            return  # only dims of size 1 come or go: the rule pairs the rest one to one
+        raise CaptureError(
+            f"{self.api}: a DTensor with no elements, {describe_tensor(args[0].dtype, shape)}, is reshaped"
+            f" ({func.__name__}){where(self._source())}: DTensor's sharding rule for views cannot take a"
+            " size-0 tensor into another shape (it divides by zero or never returns, in eager PyTorch as"
+            " here). Skip the reshape when the tensor is empty, or give that dim a size."
+        )
 
     def _note_made(self, args: Any, kwargs: dict[str, Any], out: Any) -> None:
         """Remember the storages of real tensors ``out`` holds that no argument shares."""
