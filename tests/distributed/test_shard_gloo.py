@@ -328,6 +328,26 @@ def an_input_sharing_memory_with_a_donated_dtensor_is_checked(rank: int, world: 
 
 
 @_check
+def random_steps_match_eager_replicated_over_the_mesh(rank: int, world: int) -> None:
+    """The fuzz's cases (tests/test_fuzz_static.py) under sg.shard(mesh), every argument
+    replicated: the sharded call path (local shards in, DTensors out, the per-call
+    aliasing and two-places checks) against eager, on 1 and 2 ranks. A case DTensor
+    itself has no rule for ends at its trace."""
+    if world > 2:
+        return
+    from test_fuzz_static import SHARDED_SEEDS, run_case
+
+    mesh = sg.mesh(dp=world)
+    failures = []
+    for seed in SHARDED_SEEDS:
+        try:
+            run_case(seed, verbose=False, mesh=mesh)
+        except AssertionError as e:
+            failures.append(str(e))
+    assert not failures, f"{len(failures)} of {len(SHARDED_SEEDS)} seeds fail; the first:\n{failures[0]}"
+
+
+@_check
 def program_mismatch_raises_on_every_rank(rank: int, world: int) -> None:
     if world < 2:
         return
