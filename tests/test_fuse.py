@@ -212,6 +212,42 @@ def test_lion_reading_its_old_moment_beside_the_new_one_matches_eager_donated(de
     assert paths == (["result[1].mu['b']", "result[1].mu['w']"] if kind == "sg.optim.lion" else [])
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_a_gradient_read_from_a_donated_moment_that_adamw_overwrites_matches_eager(device):
+    """The loss reads ``mu['b']`` (donated), AdamW's foreach writes its new value, and
+    ``u``'s gradient, computed from the old one, feeds another tensor of the same
+    foreach. Inductor computed that gradient again inside the foreach kernel, after the
+    store (the fuzz, seed 7992: ``u`` moved by 8% of a step wrong). The write of
+    ``mu['b']`` now comes after the generated code. ``ones_like(loss)`` seeds every
+    gradient but reads no value of the loss, so ``b``'s own gradient does not count as
+    reading ``mu['b']``. (A float64 ``b`` makes the update Inductor's foreach code; the
+    own AdamW kernel, taken for one dtype, runs apart from the generated code.)"""
+    opt = sg.optim.adamw(1e-2, weight_decay=0.01)
+
+    def step(params, opt_state):
+        def loss(p):
+            return sum((torch.tanh(v) * 1.5).square().sum() for v in p.values()) + p["u"].sum() * opt_state.mu["b"]
+
+        value, grads = sg.value_and_grad(loss)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return sg.optim.apply_updates(params, updates), opt_state, value
+
+    g = torch.Generator().manual_seed(3)
+    params = {"u": torch.randn(3, generator=g), "w": torch.randn(3, generator=g), "b": torch.randn((), generator=g)}
+    params = {k: v.to(device, torch.float64 if k == "b" else None) for k, v in params.items()}
+    fused = sg.static(sg.fuse(step), donate="opt_state")
+    mine, want = opt.init(params), opt.init(params)
+    p_mine, p_want = dict(params), dict(params)
+    for call in range(3):
+        p_want, want, _ = step(p_want, want)
+        p_mine, mine, _ = fused(p_mine, mine)
+        for k in params:
+            torch.testing.assert_close(p_mine[k], p_want[k], rtol=1e-6, atol=1e-7, msg=f"call {call}, {k}")
+    executable = fused.last_compiled.executable
+    executable = getattr(executable, "body", executable)
+    assert sorted(fused.last_compiled.program.outputs[o].path for o in executable._late) == ["result[1].mu['b']"]
+
+
 def test_stats_count_kernels_before_and_after_fusion(run):
     stats = run["fused"].last_compiled.stats
     assert stats.runtime == "inductor" and stats.calls == 4 and stats.traces == 1

@@ -38,7 +38,7 @@ import torch.fx
 from ..errors import CaptureError
 from ..kernels.adamw import decompositions as optimizer_decompositions
 from ..options import FuseOptions
-from ..program import Program, memory_root, output_node, placeholders, returned
+from ..program import Program, alias_root, memory_root, output_node, placeholders, returned
 from ..source import SOURCE_KEY
 from .inductor_direct import compile_direct
 from .inductor_kernels import KernelMap, kernel_map, note_failing_kernel
@@ -334,6 +334,12 @@ def _written_after_the_call(aliases: Sequence[tuple[int, int]], values: list, in
     ordered by Inductor's dependencies on mutated buffers (AdamW's ``count + 1``
     beside the new count; a per-tensor Lion, checked on an H100).
 
+    The readers that count are those the new value does not depend on, tensor by
+    tensor through a foreach op (its other results are other loops of one kernel,
+    which Inductor may run after this one's store, computing again inside them a
+    gradient read from the old value), and that may run inside generated code: a
+    matmul reads the old value in a library call of its own, before the write.
+
     Moving a write changes no value the graph computes, so one pass over the values
     finds every such write; it costs a copy after the call.
     """
@@ -350,9 +356,26 @@ def _written_after_the_call(aliases: Sequence[tuple[int, int]], values: list, in
             continue  # no foreach op near this write: the ancestors' walk is not needed
         needed = _ancestors(values[o])
         others = [reader for reader in readers if reader not in needed]
-        if others and any(map(_is_foreach, [*others, values[o]])):
+        if any(map(_is_foreach, [*others])) or (_is_foreach(values[o]) and any(map(_read_in_a_kernel, others))):
             late.add(o)
     return late
+
+
+_EXTERN = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in ("mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward", "_scaled_mm")
+)
+
+
+def _read_in_a_kernel(reader: torch.fx.Node) -> bool:
+    """Whether ``reader`` (or, for a view, an op reading through it) may be computed
+    inside a generated kernel, where Inductor can inline it beside a foreach op's
+    store; a matmul or convolution runs as a library call of its own, before."""
+    if reader.target in _EXTERN:
+        return False
+    if alias_root(reader) is not reader:  # a view: what reads through it
+        return any(_read_in_a_kernel(user) for user in reader.users if user.op != "output")
+    return reader.op == "call_function"
 
 
 def _is_foreach(node: Any) -> bool:
@@ -363,15 +386,37 @@ def _is_foreach(node: Any) -> bool:
 
 
 def _ancestors(value: Any) -> set[torch.fx.Node]:
-    """``value`` and every node it is computed from."""
+    """``value`` and every node it is computed from. Through result ``k`` of a foreach
+    op, only the ``k``-th tensor of each list argument: its other results come from
+    other tensors, in loops of the kernel that Inductor may run after the store of this
+    one (the gradient of ``u`` read the donated ``mu['b']`` after AdamW's foreach wrote
+    its new value, the fuzz's seed 7992)."""
     found: set[torch.fx.Node] = set()
-    stack = [value] if isinstance(value, torch.fx.Node) else []
+    seen: set[tuple[torch.fx.Node, int | None]] = set()
+    stack: list[tuple[torch.fx.Node, int | None]] = [(value, None)] if isinstance(value, torch.fx.Node) else []
     while stack:
-        node = stack.pop()
-        if node not in found:
-            found.add(node)
-            stack.extend(node.all_input_nodes)
+        node, k = stack.pop()
+        if (node, k) in seen:
+            continue
+        seen.add((node, k))
+        found.add(node)
+        source, index = node.args[:2] if node.target is operator.getitem else (None, None)
+        if isinstance(source, torch.fx.Node) and isinstance(index, int) and _is_foreach(node):
+            stack.append((source, index))
+        elif k is not None:  # a foreach op reached through its result k
+            for arg in (*node.args, *node.kwargs.values()):
+                picked = arg[k] if isinstance(arg, (list, tuple)) and k < len(arg) else arg
+                if isinstance(picked, torch.fx.Node):
+                    stack.append((picked, None))
+        elif node.target not in _SHAPE_ONLY:  # ones_like(loss) reads no value of the loss
+            stack.extend((n, None) for n in node.all_input_nodes)
     return found
+
+
+_SHAPE_ONLY = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in ("ones_like", "zeros_like", "empty_like", "full_like", "new_ones", "new_zeros", "new_empty", "new_full")
+)
 
 
 _PASS_THROUGH = {torch.ops.aten.cat.default, torch.ops.aten.slice_scatter.default, torch.ops.aten.copy.default}
