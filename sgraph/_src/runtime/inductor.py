@@ -395,7 +395,7 @@ def _written_after_the_call(aliases: Sequence[tuple[int, int]], values: list, in
             continue  # no foreach op near this write: the ancestors' walk is not needed
         needed = _ancestors(values[o])
         others = [reader for reader in readers if reader not in needed]
-        if any(map(_is_foreach, [*others])) or (_is_foreach(values[o]) and any(map(_read_in_a_kernel, others))):
+        if any(map(_is_foreach, others)) or (_is_foreach(values[o]) and any(map(_read_in_a_kernel, others))):
             late.add(o)
     return late
 
