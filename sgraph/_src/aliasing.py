@@ -26,7 +26,7 @@ import torch
 
 from .errors import ArgumentError
 
-__all__ = ["AliasGuard", "copy_exactly", "extent", "overlapping_pairs"]
+__all__ = ["AliasGuard", "copy_exactly", "extent", "overlapping_pairs", "tensor_extent"]
 
 
 class AliasGuard:
@@ -54,7 +54,7 @@ class AliasGuard:
         written: frozenset[int],
         constants: Sequence[tuple[str, torch.Tensor]] = (),
     ) -> None:
-        self.constants = [(what, t) for what, t in constants if _extent(t)]
+        self.constants = [(what, t) for what, t in constants if tensor_extent(t)]
         self.name = name
         self.paths = list(paths)
         self.donated = sorted(donated)
@@ -81,35 +81,38 @@ class AliasGuard:
         if self._read:
             extents = list(extents)
             for i in self._read:
-                extents[i] = _extent(tensors[i])
-            ptrs += [extents[i] for i in self._read]  # a changed extent is a changed key
+                extents[i] = tensor_extent(tensors[i])
+        key = ptrs + [extents[i] for i in self._read] if self._read else ptrs  # a changed extent: a changed key
         known = self._known
         if known is not None:
             ok, starts, ends = known
-            if ptrs == ok:
+            if key == ok:
                 return tensors
-            changed = [i for i, a, b in zip(range(len(ptrs)), ptrs, ok) if a != b]
+            n = len(ptrs)
+            changed = [i for i in range(n) if ptrs[i] != ok[i]]
             if (
-                not self._read  # the shortcut below takes the extents as fixed
+                key[n:] == ok[n:]  # the extents are the ones the donated ranges were taken with
                 and not any(self.is_donated[i] for i in changed)
-                and not self._overlapping(ptrs, changed, starts, ends)
+                and not self._overlapping(ptrs, extents, changed, starts, ends)
             ):
-                self._known = (ptrs, starts, ends)
+                self._known = (key, starts, ends)
                 return tensors
-        copies = self._full_check(ptrs[: len(tensors)], extents)
+        copies = self._full_check(ptrs, extents)
         if not copies:
-            self._remember(ptrs, extents)
+            self._remember(key, ptrs, extents)
             return tensors
         out = list(tensors)
         for i in copies:
             out[i] = copy_exactly(out[i])
         return out
 
-    def _overlapping(self, ptrs: list[int], positions: list[int], starts: list[int], ends: list[int]) -> bool:
+    def _overlapping(
+        self, ptrs: list[int], extents: list[int], positions: list[int], starts: list[int], ends: list[int]
+    ) -> bool:
         """Whether any of ``positions`` overlaps a donated range (``starts``/``ends``:
         the donated inputs', which are unchanged)."""
         for i in positions:
-            start, size = ptrs[i], self.extent[i]
+            start, size = ptrs[i], extents[i]
             if not size:
                 continue
             k = bisect.bisect_left(starts, start + size) - 1
@@ -117,16 +120,16 @@ class AliasGuard:
                 return True
         return False
 
-    def _remember(self, ptrs: list[int], extents: list[int]) -> None:
+    def _remember(self, key: list[int], ptrs: list[int], extents: list[int]) -> None:
         ranges = sorted((ptrs[i], ptrs[i] + extents[i]) for i in self.donated if extents[i])
-        self._known = (ptrs, [s for s, _ in ranges], [e for _, e in ranges])
+        self._known = (key, [s for s, _ in ranges], [e for _, e in ranges])
 
     def _full_check(self, ptrs: list[int], extents: list[int]) -> list[int]:
         """Positions of non-donated inputs to copy; raises for overlaps it cannot undo."""
         copies = []
         n = len(ptrs)  # positions from n on are the constants
         starts = ptrs + [t.data_ptr() for _, t in self.constants]
-        sizes = extents + [_extent(t) for _, t in self.constants]
+        sizes = extents + [tensor_extent(t) for _, t in self.constants]
         donated_at = self.is_donated + [False] * len(self.constants)
         for a, b in overlapping_pairs(starts, sizes):
             if donated_at[a] and donated_at[b]:
@@ -177,7 +180,8 @@ def extent(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> int:
     return (last + 1) * itemsize
 
 
-def _extent(t: torch.Tensor) -> int:
+def tensor_extent(t: torch.Tensor) -> int:
+    """:func:`extent` of tensor ``t``."""
     return extent(t.shape, t.stride(), t.element_size())
 
 
@@ -199,6 +203,6 @@ def copy_exactly(t: torch.Tensor) -> torch.Tensor:
     copy = t.clone(memory_format=torch.preserve_format)
     if copy.stride() == t.stride():
         return copy
-    span = _extent(t) // t.element_size()
+    span = tensor_extent(t) // t.element_size()
     raw = torch.as_strided(t, (span,), (1,)).clone()
     return raw.as_strided(t.shape, t.stride(), 0)

@@ -18,7 +18,7 @@ import torch
 
 from . import tree
 from .agreement import DEFAULT_TIMEOUT, agree
-from .aliasing import AliasGuard, copy_exactly, extent, overlapping_pairs
+from .aliasing import AliasGuard, copy_exactly, extent, overlapping_pairs, tensor_extent
 from .argtree import ArgFlattener
 from .collector import full_collections_deferred
 from .dtensors import dist_info, is_dtensor, local, wrap
@@ -444,7 +444,7 @@ def _copy_repeated(outputs: list[torch.Tensor], positions: Sequence[int]) -> Non
     that for one input returned twice; two inputs that are one tensor are known on the
     call only)."""
     tensors = [outputs[k] for k in positions]
-    sizes = [extent(t.shape, t.stride(), t.element_size()) for t in tensors]
+    sizes = [tensor_extent(t) for t in tensors]
     earlier: dict[int, set[int]] = {}
     for a, b in overlapping_pairs([t.data_ptr() for t in tensors], sizes):
         earlier.setdefault(max(a, b), set()).add(min(a, b))
