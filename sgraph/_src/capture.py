@@ -248,6 +248,9 @@ class SourceMode(TorchDispatchMode):
         # storages of the real (not fake) tensors the trace itself made: a closed-over
         # constant's clone (sg.functional's buffers) may be written, the user's own may not
         self.made: set[int] = set()
+        # local storages of DTensor views DTensor computed on a gathered copy: the view's
+        # storage (kept, so its key is not reused), the view op, the base's layout, the line
+        self.regathered: dict[int, tuple[Any, Any, str, Source | None]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -257,6 +260,8 @@ class SourceMode(TorchDispatchMode):
             self._check_overlapping_write(func, args, kwargs)
             self._check_constant_write(func, args, kwargs)
             self._check_empty_dtensor_view(func, args)
+            if self.regathered:
+                self._check_write_into_regathered_view(func, args, kwargs)
         graph = _tracing_graph()
         last = _last_node(graph) if graph is not None else None
         try:
@@ -271,6 +276,8 @@ class SourceMode(TorchDispatchMode):
             raise CaptureError(self._data_dependent(func, args))
         if self.context is None:
             self._note_made(args, kwargs, out)
+            if args and is_dtensor(args[0]) and _returns_a_view(func):
+                self._note_regathered_view(func, args[0], out)
         if graph is not None:
             self._stamp(graph, last)
         return out
@@ -361,6 +368,37 @@ class SourceMode(TorchDispatchMode):
             " size-0 tensor into another shape (it divides by zero or never returns, in eager PyTorch as"
             " here). Skip the reshape when the tensor is empty, or give that dim a size."
         )
+
+    def _note_regathered_view(self, func: Any, base: Any, out: Any) -> None:
+        """Remember views of a DTensor that DTensor computed on a redistributed copy of its
+        local shard (indexing a split dim gathers it first): they share no memory with it."""
+        own = _storage_key(_local(base))
+        for view in _tensors(out):
+            if is_dtensor(view) and _storage_key(_local(view)) != own:
+                storage = _local(view).untyped_storage()
+                self.regathered[_storage_key(_local(view))] = (storage, func, _placements(base), self._source())
+
+    def _check_write_into_regathered_view(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        """An in-place write into such a view: eager PyTorch loses it too (the DTensor
+        written is a gathered copy, not the tensor it was viewed from), so it is refused."""
+        for value in written_tensors(func, args, kwargs):
+            if not is_dtensor(value):
+                continue
+            made = self.regathered.get(_storage_key(_local(value)))
+            if made is None:
+                continue
+            _, view_op, placements, view_source = made
+            source = self._source()
+            made_at = " on the same line" if view_source == source else where(view_source)
+            raise CaptureError(
+                f"{self.api}: {func.__name__} writes in place into a view of a DTensor{where(source)}, but"
+                f" that view ({view_op.__name__}{made_at}) indexes or reshapes a dim split over the mesh"
+                f" (the DTensor viewed is laid out as {placements}), so DTensor computed it on a"
+                " gathered copy: the write would not reach the tensor it was viewed from (eager PyTorch"
+                " loses it the same way). Compute the new tensor out of place (torch.where, index_put,"
+                " torch.cat) and use it instead, or lay the tensor out so that dim is not split"
+                " (sg.replicate(), or a spec splitting another dim)."
+            )
 
     def _note_made(self, args: Any, kwargs: dict[str, Any], out: Any) -> None:
         """Remember the storages of real tensors ``out`` holds that no argument shares."""
@@ -483,6 +521,31 @@ def _is_real(t: torch.Tensor) -> bool:
 
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """Which storage ``t`` views, for fake and traced tensors too (no data pointer needed)."""
+    return t.untyped_storage()._cdata
+
+
+@functools.cache
+def _returns_a_view(func: Any) -> bool:
+    """Whether ATen op ``func`` returns a view of its first argument (``Tensor(a)`` out)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.returns or not schema.arguments:
+        return False
+    first = schema.arguments[0].alias_info
+    out = schema.returns[0].alias_info
+    return first is not None and out is not None and not out.is_write and first.before_set == out.before_set
+
+
+def _local(t: Any) -> torch.Tensor:
+    """A DTensor's local shard."""
+    return t._local_tensor
+
+
+def _placements(t: Any) -> str:
+    return ", ".join(str(p) for p in t.placements)
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
