@@ -172,10 +172,19 @@ def for_compute(original: Any, watched: Any) -> Any:
 
 def like(grad: Any, leaf: Any) -> Any:
     """A DTensor gradient laid out as its leaf: pending sums over ranks (DDP's ``Partial``
-    gradients) are carried out once here, not again at every use in the update."""
-    if not is_dtensor(grad) or not is_dtensor(leaf) or tuple(grad.placements) == tuple(leaf.placements):
+    gradients) are carried out once here, not again at every use in the update.
+
+    Over a mesh dim where the leaf itself is a pending sum (``t @ t`` of a split ``t``),
+    the gradient is whole: each rank's part of the sum has the sum's gradient.
+    """
+    if not is_dtensor(grad) or not is_dtensor(leaf):
         return grad
-    return grad.redistribute(leaf.device_mesh, leaf.placements)
+    from torch.distributed.tensor import Partial, Replicate
+
+    target = tuple(Replicate() if isinstance(p, Partial) else p for p in leaf.placements)
+    if tuple(grad.placements) == target:
+        return grad
+    return grad.redistribute(leaf.device_mesh, target)
 
 
 OutLayout = Callable[[Any], list[Any]]
