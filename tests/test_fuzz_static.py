@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import math
+import random
 import time
 import warnings
 from collections.abc import Sequence
@@ -199,14 +200,19 @@ def snapshot(tree: Any) -> list[tuple[tuple, Any]]:
 class CaseRun:
     """Calls one case's step under sg.static and eagerly, checking every call."""
 
-    def __init__(self, case: Case, fuse: bool = False, plan: dict | None = None, mesh: Any = None) -> None:
+    def __init__(
+        self, case: Case, fuse: bool = False, plan: dict | None = None, mesh: Any = None, split: bool = False
+    ) -> None:
         self.case = case
+        self.split = _split_arguments(case, mesh.size()) if split else set()
+        specs = {case.arg_names[i]: sg.P(mesh.mesh_dim_names[0]) for i in sorted(self.split)}
         fn = sg.plan_memory(**plan)(case.fn) if plan is not None else case.fn
-        fn = sg.shard(mesh)(fn) if mesh is not None else fn
+        fn = sg.shard(mesh, **specs)(fn) if mesh is not None else fn
         self.static = sg.static(sg.fuse(fn) if fuse else fn, donate=case.donate, retrace=case.retrace)
         self.mesh = mesh
-        self.exact = {} if fuse else case.exact  # generated code may round differently: tolerance throughout
-        self.tolerance = FUSED_TOLERANCE if fuse else TOLERANCE
+        # Generated code, and a sum split over ranks, may round differently: tolerance throughout.
+        self.exact = {} if fuse or self.split else case.exact
+        self.tolerance = FUSED_TOLERANCE if fuse or self.split else TOLERANCE
         self.keys: set[Any] = set()
         self.outcome = "matched"
 
@@ -242,28 +248,48 @@ class CaseRun:
         self.want, eager_mutated = self.eager(call, args, kwargs, held)
         donated = [t for _, t, d in leaves if d]
         kept = [(p, t, t.clone()) for p, t, d in leaves if not d and not any(shares(t, u) for u in donated)]
+        s_args, s_kwargs = self.local(args, kwargs)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                got = self.static(*args, **kwargs)
+                got = self.static(*s_args, **s_kwargs)
         except sg.SgraphError as e:
             return self.raised(call, e, aliased)
         except Exception as e:
             if self.dtensor_refused(call, e):
                 return None
             raise Mismatch(f"call {call}: sg.static raised {type(e).__name__} (not an sg.SgraphError): {e}") from e
-        if self.mesh is not None:  # the plain tensors came in replicated: their shards go out
+        if self.split:  # each result whole, as eager's
+            got = torch.utils._pytree.tree_map(lambda v: v.full_tensor() if hasattr(v, "full_tensor") else v, got)
+        elif self.mesh is not None:  # the plain tensors came in replicated: their shards go out
             got = torch.utils._pytree.tree_map(lambda v: v.to_local() if hasattr(v, "to_local") else v, got)
         if self.case.expect_capture_error:
             raise Mismatch("call 0: the step writes into an input that is not donated, but no sg.CaptureError")
         diff = compare(got, self.want, self.exact, tolerance=self.tolerance)
         if diff:
             raise Mismatch(f"call {call}: {diff}" + (f" (inputs sharing memory: {aliased})" if aliased else ""))
-        self.check_held(call, held, eager_mutated, donated)
-        self.check_kept(call, kept)
+        if not self.split:  # split: sg.static got copies of this rank's rows, so memory is not compared
+            self.check_held(call, held, eager_mutated, donated)
+            self.check_kept(call, kept)
         self.check_traces(call)
         self.donated_now = donated
         return got
+
+    def local(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The arguments sg.static gets: under ``split``, this rank's rows (a copy) of each
+        split argument's tensors, the rest as they are."""
+        if not self.split:
+            return args, kwargs
+        rank, world = self.mesh.get_local_rank(), self.mesh.size()
+
+        def rows(tree: Any) -> Any:
+            return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.chunk(world)[rank].clone(), tree)
+
+        names = self.case.arg_names
+        positional = [i for i in range(len(names)) if names[i] not in kwargs]
+        args = tuple(rows(a) if i in self.split else a for i, a in zip(positional, args))
+        kwargs = {k: rows(v) if names.index(k) in self.split else v for k, v in kwargs.items()}
+        return args, kwargs
 
     def check_traces(self, call: int) -> None:
         """No retrace for a call whose signature was seen (a Box's tensor may make one, though)."""
@@ -294,7 +320,12 @@ class CaseRun:
     def dtensor_refused(self, call: int, error: Exception) -> bool:
         """Under ``mesh``, whether the trace raised DTensor's own refusal of an op (no
         sharding rule, a rule that fails on a shape eager takes): the case ends there."""
-        refusal = ("Sharding propagation failed", "does not have a sharding strategy", "a DTensor with no elements")
+        refusal = (
+            "Sharding propagation failed",
+            "does not have a sharding strategy",
+            "a DTensor with no elements",
+            "DTensor computed it on a gathered copy",  # a write into a view of a split dim
+        )
         if self.mesh is None or call > 0 or not any(r in str(error) for r in refusal):
             return False
         self.outcome = "DTensor has no rule"
@@ -375,21 +406,43 @@ class CaseRun:
                 raise Mismatch(f"call {call}: input {path}, not donated, was changed:\n  was {before}\n  now {now}")
 
 
+def _split_arguments(case: Case, world: int) -> set[int]:
+    """The arguments a split run lays out as ``sg.P(axis)`` (dim 0 over the ranks): those
+    whose tensors all have a first dim the ranks divide, and share memory with nothing
+    (no view of another leaf, no Box); each such argument with probability 3/4."""
+    rng = random.Random(case.seed * 7919 + world)
+    unsplittable = {leaf.arg for leaf in case.leaves.values() if leaf.root is not None or leaf.in_box}
+    unsplittable |= {case.leaves[leaf.root].arg for leaf in case.leaves.values() if leaf.root is not None}
+    for leaf in case.leaves.values():
+        if not leaf.shape or leaf.shape[0] % world or leaf.shape[0] < world:
+            unsplittable.add(leaf.arg)
+    having = {leaf.arg for leaf in case.leaves.values()}
+    return {i for i in sorted(having - unsplittable) if rng.random() < 0.75}
+
+
 def run_case(
-    seed: int, verbose: bool = True, fuse: bool = False, device: str = "cpu", plan: dict | None = None, mesh: Any = None
+    seed: int,
+    verbose: bool = True,
+    fuse: bool = False,
+    device: str = "cpu",
+    plan: dict | None = None,
+    mesh: Any = None,
+    split: bool = False,
 ) -> str:
     """Generate and run case ``seed`` (under sg.fuse too, with ``fuse``; under
     ``sg.plan_memory(**plan)`` too, with ``plan``; under ``sg.shard(mesh)``, every
-    argument replicated, with ``mesh``) with its tensors on ``device``; raise
-    AssertionError (with the case's text) on a bug."""
+    argument replicated, with ``mesh``, or with ``split`` some split by rows over the
+    mesh's first axis) with its tensors on ``device``; raise AssertionError (with the
+    case's text) on a bug."""
     fuzz_case.DEVICE, was = device, fuzz_case.DEVICE
     try:
         case = generate(seed)
-        outcome = CaseRun(case, fuse, plan, mesh).run()
+        outcome = CaseRun(case, fuse, plan, mesh, split).run()
     except Mismatch as e:
         options = (", fuse=True" if fuse else "") + (f", device={device!r}" if device != "cpu" else "")
         options += f", plan={plan!r}" if plan is not None else ""
-        options += ", mesh=sg.mesh(dp=1)" if mesh is not None else ""  # in a process group of one
+        if mesh is not None:  # in a process group of mesh.size() ranks
+            options += f", mesh=sg.mesh(dp={mesh.size()})" + (", split=True" if split else "")
         again = reproduce(seed).replace(f"run_case({seed})", f"run_case({seed}{options})")
         raise AssertionError(f"seed {seed}: {e}\n{case.describe()}\nreproduce: {again}") from None
     finally:
@@ -478,6 +531,11 @@ def test_planned_matches_eager_on_random_steps():
 SHARDED_SEEDS = range(200)
 # run under sg.shard(sg.mesh(dp=world)) by tests/distributed/test_shard_gloo.py (a process
 # group is needed); seed 12 (a donated input sharing memory with another) ran unchecked there
+
+SPLIT_SEEDS = [*range(200), 352, 618, 640]
+# run there too with split=True on 2 and 4 ranks: some arguments split by rows over the
+# mesh; seed 151 wrote into a view of a split dim (a gathered copy), 352, 618 and 640 took
+# the gradient of a pending sum
 
 
 GPU_SEEDS = range(120)

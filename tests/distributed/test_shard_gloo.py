@@ -328,6 +328,53 @@ def an_input_sharing_memory_with_a_donated_dtensor_is_checked(rank: int, world: 
 
 
 @_check
+def a_write_into_a_view_of_a_split_dim_raises_naming_the_line(rank: int, world: int) -> None:
+    """``a[0] = x`` with ``a`` split by rows: DTensor gathers ``a`` to index the split dim
+    and writes into the gathered copy, so ``a`` keeps its old row (eager DTensor too: the
+    fuzz's split mode, seed 151). The trace raises naming the line; a view of a dim that
+    is not split still takes the write, and so does any view on one rank."""
+    mesh = sg.mesh(dp=world)
+
+    def into_row(a, x):
+        a[0] = x
+        return a * 1
+
+    def into_column(a, x):
+        a[:, 1:] = x[1:]
+        return a * 1
+
+    full = torch.arange(6.0 * world).reshape(2 * world, 3)
+    x = torch.tensor([7.0, 8.0, 9.0])
+    for step in (into_row, into_column):
+        want = step(full.clone(), x)
+        run = sg.static(sg.shard(mesh, a=sg.P("dp"))(step), donate="a")
+        rows = full.chunk(world)[rank].clone()
+        if step is into_row and world > 1:
+            with pytest.raises(sg.CaptureError, match=r"a\[0\] = x.*laid out as S\(0\).*gathered copy"):
+                run(rows, x)
+        else:
+            assert torch.equal(run(rows, x).full_tensor(), want)
+
+
+@_check
+def the_gradient_of_a_pending_sum_is_whole(rank: int, world: int) -> None:
+    """``sg.grad`` with respect to ``t @ t`` of a split ``t`` (a ``Partial`` DTensor): the
+    gradient comes back whole on every rank, as eager DTensor's does; asking DTensor to
+    lay it out as a pending sum raised (the fuzz's split mode, seed 640)."""
+    mesh = sg.mesh(dp=world)
+
+    def step(a):
+        t = torch.sin(a)
+        return sg.grad(lambda s: torch.tanh(s) * 1.5)(t @ t)
+
+    full = torch.arange(2.0 * world)
+    t = torch.sin(full)
+    want = torch.func.grad(lambda s: torch.tanh(s) * 1.5)(t @ t)
+    got = sg.static(sg.shard(mesh, a=sg.P("dp"))(step))(full.chunk(world)[rank].clone())
+    torch.testing.assert_close(got.full_tensor(), want)
+
+
+@_check
 def random_steps_match_eager_replicated_over_the_mesh(rank: int, world: int) -> None:
     """The fuzz's cases (tests/test_fuzz_static.py) under sg.shard(mesh), every argument
     replicated: the sharded call path (local shards in, DTensors out, the per-call
@@ -345,6 +392,26 @@ def random_steps_match_eager_replicated_over_the_mesh(rank: int, world: int) -> 
         except AssertionError as e:
             failures.append(str(e))
     assert not failures, f"{len(failures)} of {len(SHARDED_SEEDS)} seeds fail; the first:\n{failures[0]}"
+
+
+@_check
+def random_steps_match_eager_split_over_the_mesh(rank: int, world: int) -> None:
+    """The fuzz's cases with some arguments split by rows over the mesh (``sg.P("dp")``),
+    each rank given its own rows: DTensor's sharding rules, the pending sums and their
+    gradients, against eager on the whole tensors, on 2 and 4 ranks."""
+    if world < 2:
+        return
+    from test_fuzz_static import SPLIT_SEEDS, run_case
+
+    seeds = SPLIT_SEEDS if world == 2 else SPLIT_SEEDS[::4]
+    mesh = sg.mesh(dp=world)
+    failures = []
+    for seed in seeds:
+        try:
+            run_case(seed, verbose=False, mesh=mesh, split=True)
+        except AssertionError as e:
+            failures.append(str(e))
+    assert not failures, f"{len(failures)} of {len(seeds)} seeds fail; the first:\n{failures[0]}"
 
 
 @_check
