@@ -485,7 +485,7 @@ def test_static_matches_eager_on_seeds_that_once_failed():
     assert not failures, "\n\n".join(failures)
 
 
-def _run_sample(seeds: Sequence[int], **how: Any) -> None:
+def run_sample(seeds: Sequence[int], **how: Any) -> None:
     """Run ``seeds`` with ``run_case(seed, **how)``; fail naming every failing seed."""
     failures = []
     for seed in seeds:
@@ -513,7 +513,7 @@ FUSED_SEEDS = [*range(24), 34, 64, 108, 147, 210, 266, 349, 1298, 3479, 3580, 43
 def test_fused_matches_eager_on_random_steps():
     """A sample of the same cases under sg.static(sg.fuse(step)): generated C++ instead
     of ATen kernels, the same contract (each case compiles with Inductor, hence few)."""
-    _run_sample(FUSED_SEEDS, fuse=True)
+    run_sample(FUSED_SEEDS, fuse=True)
 
 
 PLAN = {"policy": "save_matmuls"}  # recompute all but matmul outputs: the most copies
@@ -525,7 +525,7 @@ PLANNED_SEEDS = [*range(300), 725, 1559]
 def test_planned_matches_eager_on_random_steps():
     """The cases under sg.static(sg.plan_memory(policy="save_matmuls")(step)): recomputed
     copies and updates scheduled into the backward, bitwise eager's values on ATen kernels."""
-    _run_sample(PLANNED_SEEDS, plan=PLAN)
+    run_sample(PLANNED_SEEDS, plan=PLAN)
 
 
 SHARDED_SEEDS = range(200)

@@ -374,9 +374,9 @@ class SourceMode(TorchDispatchMode):
         local shard (indexing a split dim gathers it first): they share no memory with it."""
         own = _storage_key(_local(base))
         for view in _tensors(out):
-            if is_dtensor(view) and _storage_key(_local(view)) != own:
+            if is_dtensor(view) and (key := _storage_key(_local(view))) != own:
                 storage = _local(view).untyped_storage()
-                self.regathered[_storage_key(_local(view))] = (storage, func, _placements(base), self._source())
+                self.regathered[key] = (storage, func, _placements(base), self._source())
 
     def _check_write_into_regathered_view(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
         """An in-place write into such a view: eager PyTorch loses it too (the DTensor

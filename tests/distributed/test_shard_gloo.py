@@ -382,16 +382,9 @@ def random_steps_match_eager_replicated_over_the_mesh(rank: int, world: int) -> 
     itself has no rule for ends at its trace."""
     if world > 2:
         return
-    from test_fuzz_static import SHARDED_SEEDS, run_case
+    from test_fuzz_static import SHARDED_SEEDS, run_sample
 
-    mesh = sg.mesh(dp=world)
-    failures = []
-    for seed in SHARDED_SEEDS:
-        try:
-            run_case(seed, verbose=False, mesh=mesh)
-        except AssertionError as e:
-            failures.append(str(e))
-    assert not failures, f"{len(failures)} of {len(SHARDED_SEEDS)} seeds fail; the first:\n{failures[0]}"
+    run_sample(SHARDED_SEEDS, mesh=sg.mesh(dp=world))
 
 
 @_check
@@ -401,17 +394,9 @@ def random_steps_match_eager_split_over_the_mesh(rank: int, world: int) -> None:
     gradients, against eager on the whole tensors, on 2 and 4 ranks."""
     if world < 2:
         return
-    from test_fuzz_static import SPLIT_SEEDS, run_case
+    from test_fuzz_static import SPLIT_SEEDS, run_sample
 
-    seeds = SPLIT_SEEDS if world == 2 else SPLIT_SEEDS[::4]
-    mesh = sg.mesh(dp=world)
-    failures = []
-    for seed in seeds:
-        try:
-            run_case(seed, verbose=False, mesh=mesh, split=True)
-        except AssertionError as e:
-            failures.append(str(e))
-    assert not failures, f"{len(failures)} of {len(seeds)} seeds fail; the first:\n{failures[0]}"
+    run_sample(SPLIT_SEEDS if world == 2 else SPLIT_SEEDS[::4], mesh=sg.mesh(dp=world), split=True)
 
 
 @_check
