@@ -375,6 +375,53 @@ def the_gradient_of_a_pending_sum_is_whole(rank: int, world: int) -> None:
 
 
 @_check
+def a_split_mask_gathered_under_fuse_stays_bool(rank: int, world: int) -> None:
+    """A bool mask split over the ranks and sliced across its split dim (a gather) comes
+    back bool under sg.fuse, as eagerly: Inductor's lowering promoted a bool gather (and
+    reduce-scatter, and broadcast) to int64. The three collectives also run through the
+    graph sgraph hands Inductor, compiled: bool results equal to eager's."""
+    if world != 2:
+        return
+    from torch._inductor.compile_fx import compile_fx
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from sgraph._src.runtime.inductor import _bool_collectives_on_integers
+
+    mesh = sg.mesh(dp=world)
+    full = torch.tensor([True, False, True, True])
+
+    def step(mask, x):
+        kept = mask[1:]
+        return kept, torch.where(kept, x[1:], 0.0)
+
+    fused = sg.static(sg.fuse(sg.shard(mesh, mask=sg.P("dp"))(step)))
+    for call in range(3):
+        mask = full if call != 1 else ~full
+        x = torch.arange(4.0) + call
+        kept, picked = fused(mask.chunk(world)[rank].clone(), x)
+        want_kept, want_picked = step(mask, x)
+        assert _full(kept).dtype == torch.bool, f"call {call}: the gathered mask came back {_full(kept).dtype}"
+        assert torch.equal(_full(kept), want_kept) and torch.equal(_full(picked), want_picked), call
+
+    c10d, group = torch.ops._c10d_functional, dist.group.WORLD.group_name
+
+    def collectives_of(m):
+        gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(m.logical_not(), world, group))
+        summed = c10d.wait_tensor(c10d.reduce_scatter_tensor(m.logical_not(), "sum", world, group))
+        sent = c10d.wait_tensor(c10d.broadcast(m.logical_not(), 1, group))
+        return gathered, summed, sent
+
+    m = torch.tensor([True, False, rank == 0, False])
+    want = collectives_of(m)
+    gm = make_fx(collectives_of)(m)
+    _bool_collectives_on_integers(gm.graph)
+    gm.recompile()
+    got = compile_fx(gm, [m])(m)
+    for name, g, w in zip(("gather", "reduce-scatter", "broadcast"), got, want):
+        assert g.dtype == torch.bool and torch.equal(g, w), f"{name}: {g} where eager gives {w}"
+
+
+@_check
 def random_steps_match_eager_replicated_over_the_mesh(rank: int, world: int) -> None:
     """The fuzz's cases (tests/test_fuzz_static.py) under sg.shard(mesh), every argument
     replicated: the sharded call path (local shards in, DTensors out, the per-call

@@ -34,10 +34,12 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._guards import detect_fake_mode
 
 from ..errors import CaptureError
 from ..kernels.adamw import decompositions as optimizer_decompositions
 from ..options import FuseOptions
+from ..passes.shard.collectives import add_call, collectives
 from ..program import Program, alias_root, memory_root, output_node, placeholders, returned
 from ..source import SOURCE_KEY
 from .inductor_direct import compile_direct
@@ -316,6 +318,7 @@ def _graph_for_inductor(program: Program) -> tuple[torch.fx.GraphModule, list[in
     gm = program.copy_graph_module()
     graph = gm.graph
     _scaled_adds_as_multiplies(graph)
+    _bool_collectives_on_integers(graph)
     inputs = placeholders(graph)
     values = returned(graph)
     out = output_node(graph)
@@ -330,6 +333,41 @@ def _graph_for_inductor(program: Program) -> tuple[torch.fx.GraphModule, list[in
     graph.eliminate_dead_code()
     gm.recompile()
     return gm, kept, late
+
+
+_PROMOTED_COLLECTIVES = ("all_gather", "reduce_scatter", "broadcast")
+
+
+def _bool_collectives_on_integers(graph: torch.fx.Graph) -> None:
+    """A bool tensor's gather, reduce-scatter or broadcast run on integers, its waited
+    result cast back to bool. Inductor lowers these collectives with elementwise type
+    promotion over their arguments, the group size or source rank included (torch 2.11
+    and 2.13), so a bool tensor went out as int64 and its result came back int64: the
+    gathered rows of a split mask were returned as integers. Gathers and broadcasts
+    move bytes (uint8); a reduce-scatter sums 0s and 1s in int32, which is nonzero where
+    eager's bool result is True."""
+    for c in collectives(graph):
+        value = c.node.args[0]
+        if (
+            c.kind not in _PROMOTED_COLLECTIVES
+            or c.wait is None
+            or not isinstance(value, torch.fx.Node)
+            or getattr(value.meta.get("val"), "dtype", None) is not torch.bool
+            or (c.kind == "reduce_scatter" and c.node.args[1] == "avg")
+        ):
+            continue
+        wide = torch.int32 if c.kind == "reduce_scatter" else torch.uint8
+        with graph.inserting_before(c.node):
+            cast = add_call(graph, torch.ops.prims.convert_element_type.default, (value, wide))
+        c.node.replace_input_with(value, cast)
+        for node in (c.node, c.wait):
+            if isinstance(node.meta.get("val"), torch.Tensor):
+                with detect_fake_mode([node.meta["val"]]) or contextlib.nullcontext():
+                    node.meta["val"] = torch.empty_like(node.meta["val"], dtype=wide)
+        with graph.inserting_after(c.wait):
+            back = add_call(graph, torch.ops.prims.convert_element_type.default, (c.wait, torch.bool))
+        for user in [u for u in c.wait.users if u is not back]:
+            user.replace_input_with(c.wait, back)
 
 
 _ADDS = (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)
