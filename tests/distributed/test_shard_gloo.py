@@ -378,8 +378,10 @@ def the_gradient_of_a_pending_sum_is_whole(rank: int, world: int) -> None:
 def a_split_mask_gathered_under_fuse_stays_bool(rank: int, world: int) -> None:
     """A bool mask split over the ranks and sliced across its split dim (a gather) comes
     back bool under sg.fuse, as eagerly: Inductor's lowering promoted a bool gather (and
-    reduce-scatter, and broadcast) to int64. The three collectives also run through the
-    graph sgraph hands Inductor, compiled: bool results equal to eager's."""
+    reduce-scatter, and broadcast) to int64. ``mask.any()`` over the ranks (an all-reduce
+    summing bool bytes to 2) compares as True: generated code read the 2. The four
+    collectives also run through the graph sgraph hands Inductor, compiled: bool results
+    equal to eager's."""
     if world != 2:
         return
     from torch._inductor.compile_fx import compile_fx
@@ -392,16 +394,16 @@ def a_split_mask_gathered_under_fuse_stays_bool(rank: int, world: int) -> None:
 
     def step(mask, x):
         kept = mask[1:]
-        return kept, torch.where(kept, x[1:], 0.0)
+        return kept, torch.where(kept, x[1:], 0.0), x < mask.any()
 
     fused = sg.static(sg.fuse(sg.shard(mesh, mask=sg.P("dp"))(step)))
     for call in range(3):
         mask = full if call != 1 else ~full
-        x = torch.arange(4.0) + call
-        kept, picked = fused(mask.chunk(world)[rank].clone(), x)
-        want_kept, want_picked = step(mask, x)
-        assert _full(kept).dtype == torch.bool, f"call {call}: the gathered mask came back {_full(kept).dtype}"
-        assert torch.equal(_full(kept), want_kept) and torch.equal(_full(picked), want_picked), call
+        x = torch.linspace(0.5, 1.5, 4) + call / 4
+        got = [_full(v) for v in fused(mask.chunk(world)[rank].clone(), x)]
+        assert got[0].dtype == torch.bool, f"call {call}: the gathered mask came back {got[0].dtype}"
+        for name, g, w in zip(("kept", "picked", "below"), got, step(mask, x)):
+            assert torch.equal(g, w), f"call {call}: {name} is {g} where eager gives {w}"
 
     c10d, group = torch.ops._c10d_functional, dist.group.WORLD.group_name
 
@@ -409,7 +411,8 @@ def a_split_mask_gathered_under_fuse_stays_bool(rank: int, world: int) -> None:
         gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(m.logical_not(), world, group))
         summed = c10d.wait_tensor(c10d.reduce_scatter_tensor(m.logical_not(), "sum", world, group))
         sent = c10d.wait_tensor(c10d.broadcast(m.logical_not(), 1, group))
-        return gathered, summed, sent
+        anywhere = c10d.wait_tensor(c10d.all_reduce(m.logical_not(), "sum", group))
+        return gathered, summed, sent, anywhere.float()
 
     m = torch.tensor([True, False, rank == 0, False])
     want = collectives_of(m)
@@ -417,8 +420,8 @@ def a_split_mask_gathered_under_fuse_stays_bool(rank: int, world: int) -> None:
     _bool_collectives_on_integers(gm.graph)
     gm.recompile()
     got = compile_fx(gm, [m])(m)
-    for name, g, w in zip(("gather", "reduce-scatter", "broadcast"), got, want):
-        assert g.dtype == torch.bool and torch.equal(g, w), f"{name}: {g} where eager gives {w}"
+    for name, g, w in zip(("gather", "reduce-scatter", "broadcast", "all-reduce"), got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w), f"{name}: {g} where eager gives {w}"
 
 
 @_check

@@ -335,28 +335,31 @@ def _graph_for_inductor(program: Program) -> tuple[torch.fx.GraphModule, list[in
     return gm, kept, late
 
 
-_PROMOTED_COLLECTIVES = ("all_gather", "reduce_scatter", "broadcast")
+_BYTE_COLLECTIVES = ("all_gather", "broadcast")
+_REDUCING_COLLECTIVES = ("all_reduce", "reduce_scatter")
 
 
 def _bool_collectives_on_integers(graph: torch.fx.Graph) -> None:
-    """A bool tensor's gather, reduce-scatter or broadcast run on integers, its waited
-    result cast back to bool. Inductor lowers these collectives with elementwise type
-    promotion over their arguments, the group size or source rank included (torch 2.11
-    and 2.13), so a bool tensor went out as int64 and its result came back int64: the
-    gathered rows of a split mask were returned as integers. Gathers and broadcasts
-    move bytes (uint8); a reduce-scatter sums 0s and 1s in int32, which is nonzero where
-    eager's bool result is True."""
+    """A bool tensor's gather, broadcast, all-reduce or reduce-scatter run on integers,
+    the waited result cast back to bool. Inductor lowers a gather, broadcast or
+    reduce-scatter with elementwise type promotion over its arguments, the group size
+    or source rank included (torch 2.11 and 2.13), so a bool tensor went out as int64
+    and its result came back int64 (the gathered rows of a split mask were returned as
+    integers). A sum over bool bytes leaves a 2 where two ranks were True, which eager
+    ops read as True and generated code as 2 (``w < mask.any()`` of a split mask
+    compared with 2). Gathers and broadcasts move bytes (uint8); reductions run in int32,
+    whose nonzero results are eager's Trues."""
     for c in collectives(graph):
         value = c.node.args[0]
         if (
-            c.kind not in _PROMOTED_COLLECTIVES
+            c.kind not in _BYTE_COLLECTIVES + _REDUCING_COLLECTIVES
             or c.wait is None
             or not isinstance(value, torch.fx.Node)
             or getattr(value.meta.get("val"), "dtype", None) is not torch.bool
-            or (c.kind == "reduce_scatter" and c.node.args[1] == "avg")
+            or (c.kind in _REDUCING_COLLECTIVES and c.node.args[1] == "avg")
         ):
             continue
-        wide = torch.int32 if c.kind == "reduce_scatter" else torch.uint8
+        wide = torch.int32 if c.kind in _REDUCING_COLLECTIVES else torch.uint8
         with graph.inserting_before(c.node):
             cast = add_call(graph, torch.ops.prims.convert_element_type.default, (value, wide))
         c.node.replace_input_with(value, cast)
