@@ -343,7 +343,7 @@ def _bool_collectives_on_integers(graph: torch.fx.Graph) -> None:
     """A bool tensor's gather, broadcast, all-reduce or reduce-scatter run on integers,
     the waited result cast back to bool. Inductor lowers a gather, broadcast or
     reduce-scatter with elementwise type promotion over its arguments, the group size
-    or source rank included (torch 2.11 and 2.13), so a bool tensor went out as int64
+    or source rank included (seen on torch 2.13), so a bool tensor went out as int64
     and its result came back int64 (the gathered rows of a split mask were returned as
     integers). A sum over bool bytes leaves a 2 where two ranks were True, which eager
     ops read as True and generated code as 2 (``w < mask.any()`` of a split mask
